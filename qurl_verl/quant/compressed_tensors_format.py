@@ -1,0 +1,128 @@
+"""Emit quantized weights under vLLM's compressed-tensors names, and the matching config.
+
+A targeted linear ``X.weight`` becomes ``X.weight`` (int8 or float8_e4m3fn, [N, K]) plus
+``X.weight_scale`` (float32, [N, 1] for ``channel``, [ceil(N/128), ceil(K/128)] for ``block``).
+Everything else (embeddings, norms, biases, lm_head, ignored layers) passes through untouched.
+``quantize_state_dict`` is a generator so the rollout weight sync can stream one tensor at a time.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+import torch
+
+from .formats import DEFAULT_BLOCK_SIZE, WEIGHT_GRANULARITIES, QuantFormat, resolve_format
+from .quantizer import quantize
+
+# The linear projections of Llama/Qwen/Mistral decoder layers. Fused-layer checkpoints
+# (qkv_proj, gate_up_proj) are covered by passing them explicitly in ``targets``.
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_IGNORE = ("lm_head",)
+
+TargetSpec = Callable[[str, torch.Tensor], bool] | Iterable[str] | None
+
+
+def _module_matches(module: str, pattern: str) -> bool:
+    """compressed-tensors ``ignore`` semantics: exact module name, ``re:`` regex, or a name suffix."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def is_quantization_target(
+    name: str,
+    tensor: torch.Tensor,
+    targets: TargetSpec = None,
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+) -> bool:
+    """Whether ``name`` is the weight of a linear layer the rollout engine runs in 8 bits.
+
+    ``targets`` is either a predicate ``(name, tensor) -> bool`` or a list of module-name
+    suffixes (default: the seven decoder projections, matched only under ``layers.``).
+    Names matching ``ignore`` always stay in full precision.
+    """
+    if not name.endswith(".weight") or tensor.dim() != 2:
+        return False
+    module = name[: -len(".weight")]
+    if any(_module_matches(module, pattern) for pattern in ignore):
+        return False
+    if callable(targets):
+        return bool(targets(name, tensor))
+    suffixes = DEFAULT_TARGET_MODULES if targets is None else tuple(targets)
+    if targets is None and "layers." not in module:
+        return False
+    return any(_module_matches(module, suffix) for suffix in suffixes)
+
+
+def _check_vllm_combination(qfmt: QuantFormat, granularity: str) -> None:
+    if granularity not in WEIGHT_GRANULARITIES:
+        raise ValueError(f"weight granularity must be one of {list(WEIGHT_GRANULARITIES)}, got {granularity!r}")
+    if granularity == "block" and qfmt.name != "fp8":
+        # vLLM's compressed-tensors INT8 scheme accepts only per-tensor/per-channel weights.
+        raise ValueError("block granularity is an FP8 layout; vLLM has no INT8 block-scaled kernel. "
+                         "Use fmt='fp8' with 'block', or granularity='channel' for INT8.")
+
+
+def quantize_state_dict(
+    named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    fmt: str | QuantFormat = "int8",
+    granularity: str = "channel",
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    targets: TargetSpec = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` pairs in compressed-tensors layout, one input tensor at a time."""
+    qfmt = resolve_format(fmt)
+    _check_vllm_combination(qfmt, granularity)
+    ignore = tuple(ignore)
+    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+    for name, tensor in items:
+        if is_quantization_target(name, tensor, targets, ignore):
+            q = quantize(tensor, qfmt, granularity, name=name, block_size=block_size)
+            yield name, q.data
+            yield name[: -len("weight")] + "weight_scale", q.scale
+        else:
+            yield name, tensor
+
+
+def compressed_tensors_config(
+    fmt: str | QuantFormat = "int8",
+    granularity: str = "channel",
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> dict:
+    """The ``quantization_config`` entry of config.json that makes vLLM load our W8A8 weights.
+
+    Channel weights pair with dynamic per-token activations (vLLM's W8A8 INT8/FP8 schemes);
+    block weights pair with dynamic 1 x block_size activation groups (the FP8_BLOCK preset).
+    """
+    qfmt = resolve_format(fmt)
+    _check_vllm_combination(qfmt, granularity)
+    weights = {
+        "num_bits": 8,
+        "type": qfmt.compressed_tensors_type,
+        "symmetric": True,
+        "strategy": granularity,
+        "dynamic": False,
+    }
+    activations = {
+        "num_bits": 8,
+        "type": qfmt.compressed_tensors_type,
+        "symmetric": True,
+        "strategy": "token",
+        "dynamic": True,
+    }
+    if granularity == "block":
+        weights["block_structure"] = [block_size, block_size]
+        activations["strategy"] = "group"
+        activations["group_size"] = block_size
+    return {
+        "quant_method": "compressed-tensors",
+        "format": qfmt.compressed_tensors_format,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations},
+        },
+        "ignore": list(ignore),
+    }

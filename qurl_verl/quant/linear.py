@@ -1,0 +1,109 @@
+"""A torch stand-in for vLLM's W8A8 linear layers, to check the rollout engine's log-probs.
+
+``quantize_linear_modules_(model, fmt)`` swaps the targeted ``nn.Linear`` layers of a HF model
+(same selection as ``quantize_state_dict``) for ``W8A8Linear``. Its buffers are named
+``weight`` / ``weight_scale``, so the swapped model's ``state_dict()`` is already in
+compressed-tensors layout.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .compressed_tensors_format import DEFAULT_IGNORE, TargetSpec, is_quantization_target
+from .formats import ACTIVATION_FOR_WEIGHT, DEFAULT_BLOCK_SIZE, resolve_format
+from .matmul import w8a8_linear
+from .quantizer import QuantizedTensor, fake_quantize, quantize
+
+
+class W8A8Linear(nn.Module):
+    """Linear layer with 8-bit weights and dynamically quantized 8-bit activations.
+
+    ``fake=False`` multiplies the codes (``_int_mm`` / ``_scaled_mm``) and rescales in float32,
+    as vLLM's kernels do. ``fake=True`` computes the same function by dequantizing both operands
+    to float32 and using ``F.linear``; results agree up to float32 summation order, and it is much
+    faster for FP8 on CPU.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        fmt: str = "int8",
+        granularity: str = "channel",
+        fake: bool = False,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.fmt = resolve_format(fmt)
+        self.granularity, self.fake, self.block_size = granularity, fake, block_size
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=self.fmt.dtype, device=device))
+        scale_shape = (
+            (out_features, 1)
+            if granularity == "channel"
+            else (-(-out_features // block_size), -(-in_features // block_size))
+        )
+        self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: str = "int8", granularity: str = "channel",
+                    fake: bool = False, name: str | None = None) -> "W8A8Linear":
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, fmt=fmt,
+                    granularity=granularity, fake=fake, dtype=linear.weight.dtype, device=linear.weight.device)
+        layer.load_weight_(linear.weight, name=name)
+        if linear.bias is not None:
+            layer.bias.data.copy_(linear.bias.detach())
+        return layer
+
+    @torch.no_grad()
+    def load_weight_(self, weight: torch.Tensor, name: str | None = None) -> None:
+        """Re-quantize from full-precision weights (what every rollout weight sync does)."""
+        q = quantize(weight, self.fmt, self.granularity, name=name, block_size=self.block_size)
+        self.weight.copy_(q.data)
+        self.weight_scale.copy_(q.scale)
+
+    def quantized_weight(self) -> QuantizedTensor:
+        return QuantizedTensor(self.weight, self.weight_scale, self.fmt, self.granularity, self.block_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qw = self.quantized_weight()
+        if not self.fake:
+            return w8a8_linear(x, qw, bias=self.bias, out_dtype=x.dtype)
+        act = ACTIVATION_FOR_WEIGHT[self.granularity]
+        x_fq = fake_quantize(x.to(torch.float32), self.fmt, act, block_size=self.block_size)
+        bias = None if self.bias is None else self.bias.to(torch.float32)
+        return F.linear(x_fq, qw.dequantize(torch.float32), bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fmt={self.fmt.name}, granularity={self.granularity}, fake={self.fake}")
+
+
+def quantize_linear_modules_(
+    model: nn.Module,
+    fmt: str = "int8",
+    granularity: str = "channel",
+    targets: TargetSpec = None,
+    ignore: Iterable[str] = DEFAULT_IGNORE,
+    fake: bool = False,
+) -> nn.Module:
+    """Replace targeted ``nn.Linear`` modules in place by ``W8A8Linear``; returns ``model``."""
+    ignore = tuple(ignore)
+    swaps = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and is_quantization_target(f"{name}.weight", module.weight, targets, ignore)
+    ]
+    for name, module in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, W8A8Linear.from_linear(module, fmt, granularity, fake, name=f"{name}.weight"))
+    return model
