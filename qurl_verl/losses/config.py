@@ -37,14 +37,14 @@ def check_loss_values(acr_C: Any, acr_upper_cap: Any, clip_ratio_high: Optional[
     prefix = "actor_rollout_ref.actor.policy_loss"
     if not isinstance(acr_C, (int, float)) or isinstance(acr_C, bool) or not math.isfinite(acr_C) or acr_C < 1.0:
         problems.append(
-            f"{prefix}.acr_C={acr_C!r}: the IS truncation C must be a finite number >= 1 "
+            f"{prefix}.acr_C={_show(acr_C)}: the IS truncation C must be a finite number >= 1 "
             f"(C < 1 would down-weight even matched tokens); set {prefix}.acr_C=2.0"
         )
     if acr_upper_cap is not None:
         floor = 1.0 + (clip_ratio_high if clip_ratio_high is not None else 0.0)
         if not isinstance(acr_upper_cap, (int, float)) or isinstance(acr_upper_cap, bool) or acr_upper_cap < floor:
             problems.append(
-                f"{prefix}.acr_upper_cap={acr_upper_cap!r}: a cap on the widened upper bound must be >= "
+                f"{prefix}.acr_upper_cap={_show(acr_upper_cap)}: a cap on the widened upper bound must be >= "
                 f"1 + clip_ratio_high = {floor:g}; set {prefix}.acr_upper_cap=null (the paper's setting)"
             )
     return problems
@@ -82,6 +82,15 @@ def _select(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.select(cfg, key, default=None)
 
 
+def _show(value: Any) -> str:
+    """A value as it is written in a Hydra override."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 def validate_loss_settings(cfg: DictConfig) -> None:
     """Check a composed verl config for everything `qurl_acr` / `qurl_tis` rely on.
 
@@ -98,19 +107,19 @@ def validate_loss_settings(cfg: DictConfig) -> None:
 
     target = _select(cfg, f"{pl}._target_")
     if not _is_qurl_config_target(target):
-        problems.append(f"{pl}._target_={target}: loss_mode={loss_mode} reads its settings from {pl}; set {pl}._target_={CONFIG_TARGET}")
+        problems.append(f"{pl}._target_={_show(target)}: loss_mode={loss_mode} reads its settings from {pl}; set {pl}._target_={CONFIG_TARGET}")
 
     if _select(cfg, rc) is None:
         problems.append(f"{rc} is missing: loss_mode={loss_mode} needs verl's rollout correction; compose from verl's ppo_trainer.yaml")
     else:
         if _select(cfg, f"{rc}.bypass_mode") is not False:
             problems.append(
-                f"{rc}.bypass_mode={_select(cfg, f'{rc}.bypass_mode')}: {loss_mode} needs decoupled PPO (the trainer "
+                f"{rc}.bypass_mode={_show(_select(cfg, f'{rc}.bypass_mode'))}: {loss_mode} needs decoupled PPO (the trainer "
                 f"recomputes the full-precision old log-probs); set {rc}.bypass_mode=false"
             )
         if _select(cfg, f"{rc}.rollout_is") != "token":
             problems.append(
-                f"{rc}.rollout_is={_select(cfg, f'{rc}.rollout_is')}: {loss_mode} needs per-token weights "
+                f"{rc}.rollout_is={_show(_select(cfg, f'{rc}.rollout_is'))}: {loss_mode} needs per-token weights "
                 f"pi_prox/pi_behav; set {rc}.rollout_is=token"
             )
         problems.extend(_threshold_problems(_select(cfg, f"{rc}.rollout_is_threshold"), rc))
@@ -121,14 +130,14 @@ def validate_loss_settings(cfg: DictConfig) -> None:
             )
         if _select(cfg, f"{rc}.rollout_rs") is not None:
             problems.append(
-                f"{rc}.rollout_rs={_select(cfg, f'{rc}.rollout_rs')}: rejection sampling drops tokens before the loss "
-                f"sees them; ACR handles large ratios itself; set {rc}.rollout_rs=null"
+                f"{rc}.rollout_rs={_show(_select(cfg, f'{rc}.rollout_rs'))}: rejection sampling rewrites response_mask "
+                f"before the loss; the qurl losses bound large ratios through C instead; set {rc}.rollout_rs=null"
             )
 
     if _select(cfg, "actor_rollout_ref.rollout.calculate_log_probs") is not True:
         problems.append(
             "actor_rollout_ref.rollout.calculate_log_probs="
-            f"{_select(cfg, 'actor_rollout_ref.rollout.calculate_log_probs')}: {loss_mode} needs the quantized "
+            f"{_show(_select(cfg, 'actor_rollout_ref.rollout.calculate_log_probs'))}: {loss_mode} needs the quantized "
             "engine's log-probs; set actor_rollout_ref.rollout.calculate_log_probs=true"
         )
 
@@ -160,7 +169,7 @@ def _threshold_problems(threshold: Any, rc: str) -> list[str]:
     try:
         value = float(threshold)
     except (TypeError, ValueError):
-        return [f"{rc}.rollout_is_threshold={threshold!r} is not a number; {fix}"]
+        return [f"{rc}.rollout_is_threshold={_show(threshold)} is not a number; {fix}"]
     if not value >= MIN_IS_THRESHOLD:
         return [
             f"{rc}.rollout_is_threshold={threshold}: verl would truncate pi_prox/pi_behav before the loss "
