@@ -16,6 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from qurl_verl.tiny_model import MIN_HEAD_DIM
 
 
+_ABSENT = object()
+
+
 class QurlConfigError(ValueError):
     """A configuration qurl-verl cannot run, with the fix in the message."""
 
@@ -87,17 +90,16 @@ def check_cpu_platform(cfg: DictConfig) -> None:
                 "Use a model with hidden_size / num_attention_heads >= 32 (the embedded default has 32)."
             )
     wrong = []
-    for key, (want, why) in CPU_REQUIRED.items():
+    required = {**CPU_REQUIRED, "actor_rollout_ref.model.override_config.attn_implementation": ("sdpa", "flash-attn is CUDA-only")}
+    for key, (want, why) in required.items():
         have = _get(cfg, key)
-        if have != want:
-            wrong.append(f"  {key}={json.dumps(want) if isinstance(want, bool) else want}   (now {have!r}: {why})")
-    attn = _get(cfg, "actor_rollout_ref.model.override_config.attn_implementation")
-    if attn not in ("sdpa", "eager"):
-        wrong.append(f"  +actor_rollout_ref.model.override_config.attn_implementation=sdpa   (now {attn!r}: flash-attn is CUDA-only)")
+        if have == want or (key.endswith("attn_implementation") and have == "eager"):
+            continue
+        plus = "" if OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT else "+"
+        shown = json.dumps(want) if isinstance(want, bool) else want
+        wrong.append(f"  {plus}{key}={shown}   (now {have!r}: {why})")
     if wrong:
-        raise QurlConfigError(
-            "VERL_PLATFORM=cpu needs these overrides (recipes/tiny_cpu/run.sh sets them all):\n" + "\n".join(wrong).replace("=False", "=false")
-        )
+        raise QurlConfigError("VERL_PLATFORM=cpu needs these overrides (recipes/tiny_cpu/run.sh sets them all):\n" + "\n".join(wrong))
 
 
 def check_qurl_preset(cfg: DictConfig) -> None:
@@ -108,6 +110,15 @@ def check_qurl_preset(cfg: DictConfig) -> None:
             "Reinstall qurl-verl (it ships the hydra_plugins search-path plugin) or add "
             "'hydra.searchpath=[pkg://qurl_verl.hydra_configs]' to the command."
         )
+
+
+def check_plugin_loaded(component: str, what: str) -> None:
+    """A qurl name is configured: the part of the plugin that registers it must have loaded."""
+    import qurl_verl
+
+    status = qurl_verl.plugin_status().get(component)
+    if status is not None and not status.startswith("ok"):
+        raise QurlConfigError(f"{what} needs qurl-verl's {component} registration, which failed to load: {status}")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -123,10 +134,12 @@ def check_config(cfg: DictConfig) -> None:
         check_cpu_platform(cfg)
     loss_mode = _get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode")
     if isinstance(loss_mode, str) and loss_mode.startswith("qurl_"):
+        check_plugin_loaded("losses", f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}")
         from qurl_verl.losses.config import validate_loss_settings
 
         validate_loss_settings(cfg)
     if _get(cfg, "actor_rollout_ref.rollout.name") == "qurl_vllm":
+        check_plugin_loaded("rollout", "actor_rollout_ref.rollout.name=qurl_vllm")
         from qurl_verl.rollout.settings import validate_rollout_settings
 
         validate_rollout_settings(cfg)
