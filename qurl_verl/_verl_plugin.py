@@ -43,10 +43,10 @@ def _register_cpu_platform():
 
 
 def _hook_config_checks():
-    from qurl_verl.config import check_config
+    from qurl_verl.config import check_and_prepare
     from qurl_verl.patches import validate_config_hook
 
-    validate_config_hook.apply(check_config)
+    validate_config_hook.apply(check_and_prepare)
 
 
 def _register_losses():

@@ -143,3 +143,32 @@ def check_config(cfg: DictConfig) -> None:
         from qurl_verl.rollout.settings import validate_rollout_settings
 
         validate_rollout_settings(cfg)
+
+
+def prepare_config(cfg: DictConfig, log=print) -> None:
+    """The one change qurl-verl makes to a checked config: point the actor at its UAQ checkpoint.
+
+    With `qurl.uaq.enable=true` (the int8/fp8 presets), the checkpoint at
+    `actor_rollout_ref.model.path` is converted once (or found in the cache, or used as is when it
+    already carries UAQ) and the path is rewritten, so the trainer, the reference policy and the
+    rollout all start from the re-parametrised weights.
+    """
+    uaq = _get(cfg, "qurl.uaq")
+    if not uaq or not uaq.get("enable", False):
+        return
+    from qurl_verl.uaq_checkpoint import ensure_uaq_checkpoint
+
+    scale = float(uaq.get("scale", 1.5))
+    targets = list(uaq.get("targets", ("q_proj", "k_proj", "v_proj")))
+    try:
+        path = ensure_uaq_checkpoint(cfg.actor_rollout_ref.model.path, scale=scale, targets=targets,
+                                     cache_dir=uaq.get("cache_dir"), log=log)
+    except ValueError as e:  # unsupported architecture, bad targets, a scale clash: the user's to fix
+        raise QurlConfigError(f"qurl.uaq: {e}") from e
+    cfg.actor_rollout_ref.model.path = str(path)
+
+
+def check_and_prepare(cfg: DictConfig) -> None:
+    """What verl's validate_config runs first (see qurl_verl.patches.validate_config_hook)."""
+    check_config(cfg)
+    prepare_config(cfg)
