@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compressed_tensors_format import DEFAULT_IGNORE, TargetSpec, is_quantization_target
-from .formats import ACTIVATION_FOR_WEIGHT, DEFAULT_BLOCK_SIZE, resolve_format
+from .formats import ACTIVATION_FOR_WEIGHT, DEFAULT_BLOCK_SIZE, WEIGHT_GRANULARITIES, resolve_format
 from .matmul import w8a8_linear
 from .quantizer import QuantizedTensor, fake_quantize, quantize
 
@@ -41,6 +41,8 @@ class W8A8Linear(nn.Module):
         device: torch.device | str | None = None,
     ):
         super().__init__()
+        if granularity not in WEIGHT_GRANULARITIES:
+            raise ValueError(f"W8A8Linear weight granularity must be one of {list(WEIGHT_GRANULARITIES)}, got {granularity!r}")
         self.in_features, self.out_features = in_features, out_features
         self.fmt = resolve_format(fmt)
         self.granularity, self.fake, self.block_size = granularity, fake, block_size

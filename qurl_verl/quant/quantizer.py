@@ -73,6 +73,11 @@ class QuantizedTensor:
         return (self.data.to(compute) * self.expanded_scale(compute)).to(dtype)
 
 
+def _absmax(t: torch.Tensor, dim) -> torch.Tensor:
+    """float32 max |t| over ``dim`` without materialising ``t.abs()`` (that temporary costs more than the reductions)."""
+    return torch.maximum(t.amax(dim=dim, keepdim=True), t.amin(dim=dim, keepdim=True).neg_()).to(torch.float32)
+
+
 def _scale_from_amax(amax: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     return (amax / fmt.qmax).clamp_min_(MIN_SCALE)
 
@@ -142,29 +147,31 @@ def quantize(
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}")
 
-    w32 = w.detach().to(torch.float32)
+    # bf16/fp16 values are exact in float32 and ``half_tensor / float32_scale`` promotes to float32,
+    # so skipping an explicit upcast gives the same codes without a full-size temporary.
+    src = w.detach() if w.dtype in (torch.float32, torch.bfloat16, torch.float16) else w.detach().to(torch.float32)
     if granularity == "channel":
-        amax = w32.abs().amax(dim=1, keepdim=True)
+        amax = _absmax(src, 1)
         _check_finite(amax, name)
         scale = _scale_from_amax(amax, qfmt)
-        data = _encode(w32 / scale, qfmt)
+        data = _encode(src / scale, qfmt)
     elif granularity == "token":
-        amax = w32.abs().amax(dim=-1, keepdim=True)
+        amax = _absmax(src, -1)
         _check_finite(amax, name)
         scale = _scale_from_amax(amax, qfmt)
-        data = _encode(w32 / scale, qfmt)
+        data = _encode(src / scale, qfmt)
     elif granularity == "block":
-        n, k = w32.shape
-        tiles = _padded_tiles(w32, block_size)
-        amax = tiles.abs().amax(dim=(1, 3))
+        n, k = src.shape
+        tiles = _padded_tiles(src, block_size)
+        amax = _absmax(tiles, (1, 3)).squeeze(3).squeeze(1)
         _check_finite(amax, name)
         scale = _scale_from_amax(amax, qfmt)
         codes = _encode(tiles / scale[:, None, :, None], qfmt)
         data = codes.reshape(tiles.shape[0] * block_size, tiles.shape[2] * block_size)[:n, :k].contiguous()
     else:  # group
-        lead, k = w32.shape[:-1], w32.shape[-1]
-        groups = _padded_groups(w32.reshape(-1, k), block_size)
-        amax = groups.abs().amax(dim=-1)
+        lead, k = src.shape[:-1], src.shape[-1]
+        groups = _padded_groups(src.reshape(-1, k), block_size)
+        amax = _absmax(groups, -1).squeeze(-1)
         _check_finite(amax, name)
         scale = _scale_from_amax(amax, qfmt)
         codes = _encode(groups / scale[..., None], qfmt)

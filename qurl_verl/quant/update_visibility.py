@@ -5,7 +5,7 @@ For a targeted weight W_prev -> W_new quantized with the rollout's format and gr
 * ``changed_fraction`` = share of 8-bit codes of Q(W_new) that differ from those of Q(W_prev)
   (FP8 +0 and -0 count as equal). 0 means the rollout engine did not see the update at all.
 * ``update_norm`` = ||W_new - W_prev||_F and ``quant_error_norm`` = ||deq(Q(W_prev)) - W_prev||_F,
-  both on float32 values, summed in float64.
+  both computed in float32 (relative error ~1e-5, plenty for a logged statistic).
 * ``update_to_error_ratio`` = update_norm / quant_error_norm. Spec Eq. 10 predicts ~1e-2 or less
   for plain RL steps; UAQ with scale s multiplies it by ~s (Adam) or ~s^2 (SGD).
 
@@ -61,9 +61,12 @@ def changed_code_count(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(torch.count_nonzero(differ))
 
 
+def squared_norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t)) ** 2
+
+
 def quantization_error_sq(weight: torch.Tensor, q: QuantizedTensor) -> float:
-    diff = q.dequantize(torch.float32) - weight.detach().to(torch.float32)
-    return float(torch.linalg.vector_norm(diff, dtype=torch.float64)) ** 2
+    return squared_norm(q.dequantize(torch.float32).sub_(weight.detach().to(torch.float32)))
 
 
 def tensor_update_stats(
@@ -88,7 +91,7 @@ def tensor_update_stats(
     return UpdateStats(
         numel=new.numel(),
         changed_codes=changed_code_count(prev_q.data, new_q.data),
-        update_sq=float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2,
+        update_sq=squared_norm(delta),
         quant_error_sq=quantization_error_sq(prev, prev_q),
     )
 
@@ -176,7 +179,7 @@ class UpdateVisibilityTracker:
             stats = UpdateStats(
                 numel=weight.numel(),
                 changed_codes=changed_code_count(prev_codes, q.data),
-                update_sq=float(torch.linalg.vector_norm(delta, dtype=torch.float64)) ** 2,
+                update_sq=squared_norm(delta),
                 quant_error_sq=prev_error_sq,
             )
             self._step[name] = stats

@@ -212,3 +212,23 @@ def test_scale_equivariance(fmt, granularity):
     torch.testing.assert_close(scaled.scale.double() * s, base.scale.double(), rtol=3e-7, atol=0)
     mismatch = (scaled.data.view(torch.uint8) != base.data.view(torch.uint8)).double().mean().item()
     assert mismatch < 1e-4
+
+
+def test_quant_package_imports_only_torch_and_safetensors():
+    """The numerics must stay importable without verl, vLLM or transformers."""
+    import ast
+    from pathlib import Path
+
+    import qurl_verl.quant as pkg
+
+    allowed = {"torch", "safetensors", "__future__", "argparse", "collections", "dataclasses", "json", "math",
+               "re", "shutil", "sys", "pathlib", "typing"}
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                roots = {node.module.split(".")[0]}
+            else:
+                continue
+            assert roots <= allowed, f"{path.name} imports {roots - allowed}"

@@ -1,0 +1,174 @@
+"""Time re-quantizing every linear weight of a Qwen2-0.5B-shaped model, as each rollout weight sync does.
+
+Random weights (std 0.02) are generated one decoder layer at a time to keep memory at one layer;
+only the quantize calls are timed. Also times the per-step update-visibility statistics (UpdateVisibilityTracker).
+Writes bench/results/quantize.json and prints a table.
+
+    .venv/bin/python bench/bench_quantize.py [--threads 2] [--repeats 5] [--layers 24]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from qurl_verl.quant import UpdateStats, UpdateVisibilityTracker, quantize  # noqa: E402
+
+# Qwen2-0.5B: hidden 896, intermediate 4864, 14 heads / 2 KV heads (head_dim 64), 24 layers.
+HIDDEN, INTERMEDIATE, KV = 896, 4864, 2 * 64
+LAYER_SHAPES = {
+    "self_attn.q_proj": (HIDDEN, HIDDEN),
+    "self_attn.k_proj": (KV, HIDDEN),
+    "self_attn.v_proj": (KV, HIDDEN),
+    "self_attn.o_proj": (HIDDEN, HIDDEN),
+    "mlp.gate_proj": (INTERMEDIATE, HIDDEN),
+    "mlp.up_proj": (INTERMEDIATE, HIDDEN),
+    "mlp.down_proj": (HIDDEN, INTERMEDIATE),
+}
+CASES = [  # (fmt, granularity, input dtype, note)
+    ("int8", "channel", torch.float32, "paper W8A8; fp32 masters"),
+    ("int8", "channel", torch.bfloat16, "paper W8A8; bf16 weights"),
+    ("fp8", "channel", torch.float32, "paper W8A8"),
+    ("fp8", "block", torch.float32, "verl FP8 rollout layout"),
+    ("int8", "block", torch.float32, "no vLLM kernel; numerics only"),
+]
+
+
+def layer_weights(layer: int, dtype: torch.dtype, delta: float = 0.0) -> dict[str, torch.Tensor]:
+    """Layer ``layer``'s weights; ``delta`` > 0 adds an Adam-like step of that size (in fp32, then cast)."""
+    g, g_step = torch.Generator().manual_seed(layer), torch.Generator().manual_seed(10_000 + layer)
+    out = {}
+    for name, shape in LAYER_SHAPES.items():
+        w = torch.randn(shape, generator=g) * 0.02
+        if delta:
+            w += delta * torch.sign(torch.randn(shape, generator=g_step))
+        out[f"model.layers.{layer}.{name}.weight"] = w.to(dtype)
+    return out
+
+
+def timed(fn, repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="timings per tensor; min and median are reported")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quantize.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    quantize(torch.randn(256, 256), "int8", "channel")  # warm-up
+    load_before = load_average()
+
+    best = [0.0] * len(CASES)  # sum over tensors of the fastest run
+    typical = [0.0] * len(CASES)  # sum over tensors of the median run
+    vis_best = vis_typical = 0.0
+    pooled = UpdateStats()
+    numel = 0
+    for layer in range(args.layers):
+        by_dtype = {dtype: layer_weights(layer, dtype) for dtype in {c[2] for c in CASES}}
+        numel += sum(w.numel() for w in by_dtype[torch.float32].values())
+        for i, (fmt, gran, dtype, _) in enumerate(CASES):
+            for name, w in by_dtype[dtype].items():
+                samples = timed(lambda: quantize(w, fmt, gran, name=name), args.repeats)
+                best[i] += min(samples)
+                typical[i] += statistics.median(samples)
+        # One RL step seen by the update-visibility tracker (int8 channel, fp32 masters, |dW| = 1e-4).
+        prev, new = by_dtype[torch.float32], layer_weights(layer, torch.float32, delta=1e-4)
+        tracker = UpdateVisibilityTracker("int8", "channel")
+        for name in new:
+            samples = []
+            for _ in range(args.repeats):
+                tracker.observe(name, prev[name])  # untimed: sets the previous step
+                start = time.perf_counter()
+                stats = tracker.observe(name, new[name])
+                samples.append(time.perf_counter() - start)
+            pooled += stats
+            vis_best += min(samples)
+            vis_typical += statistics.median(samples)
+        del by_dtype, prev, new, tracker
+
+    rows = [
+        {
+            "fmt": fmt,
+            "granularity": gran,
+            "input_dtype": str(dtype).replace("torch.", ""),
+            "seconds_best": round(best[i], 4),
+            "seconds_median": round(typical[i], 4),
+            "melem_per_s_best": round(numel / best[i] / 1e6, 1),
+            "note": note,
+        }
+        for i, (fmt, gran, dtype, note) in enumerate(CASES)
+    ]
+    overall = pooled.as_dict()
+    result = {
+        "what": "quantize all linear weights of a Qwen2-0.5B-shaped model (random, std 0.02), one tensor at a time",
+        "model": {"layers": args.layers, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "heads": 14, "kv_heads": 2,
+                  "quantized_params": numel},
+        "timing": (f"per tensor {args.repeats} runs; seconds_best sums each tensor's fastest run, seconds_median its "
+                   "median run; weight generation not timed. The machine is shared, so best is the uncontended estimate."),
+        "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": args.threads,
+                    "torch": torch.__version__, "python": platform.python_version(),
+                    "load_average_before": load_before, "load_average_after": load_average()},
+        "results": rows,
+        "update_visibility": {
+            "case": "int8 channel, fp32 weights, one UpdateVisibilityTracker.observe per tensor "
+                    "(quantize + quantization error + code diff + keep a copy)",
+            "seconds_best": round(vis_best, 4),
+            "seconds_median": round(vis_typical, 4),
+            "changed_fraction_at_step_1e-4": round(overall["changed_fraction"], 4),
+            "update_to_error_ratio_at_step_1e-4": round(overall["update_to_error_ratio"], 4),
+        },
+        "target": "INT8 channel < 3 s on 2 cores",
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"{numel / 1e6:.0f} M quantized parameters, {args.threads} threads, {cpu_model()}, "
+          f"load {load_before} -> {result['machine']['load_average_after']}")
+    print(f"{'fmt':<5} {'granularity':<12} {'input':<9} {'best s':>7} {'median s':>9} {'Melem/s':>8}  note")
+    for r in rows:
+        print(f"{r['fmt']:<5} {r['granularity']:<12} {r['input_dtype']:<9} {r['seconds_best']:>7.3f} "
+              f"{r['seconds_median']:>9.3f} {r['melem_per_s_best']:>8.1f}  {r['note']}")
+    uv = result["update_visibility"]
+    print(f"update visibility per RL step (int8 channel, fp32): best {uv['seconds_best']:.3f} s, median "
+          f"{uv['seconds_median']:.3f} s; at |dW|=1e-4: {uv['changed_fraction_at_step_1e-4']:.3f} of codes changed, "
+          f"update/error ratio {uv['update_to_error_ratio_at_step_1e-4']:.3f}")
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
