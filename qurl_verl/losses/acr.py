@@ -36,7 +36,7 @@ import torch
 # exp() here finite: a clip bound above e^20 can never bind because R <= e^20.
 LOG_RATIO_BOUND = 20.0
 
-# Order of the scalars in `AcrStats.values`; `metric_names` gives the logged names.
+# Order of the scalars in `AcrStats.values` (and their logged names, under actor/qurl/).
 _STAT_NAMES = (
     "kl_behav_prox_k1",
     "kl_behav_prox_k3",
@@ -57,7 +57,7 @@ class AcrStats:
 
     kl_behav_prox_k1/k3  KL(pi_behav || pi_prox): k1 = E[-log w], k3 = E[w - 1 - log w]
                          (samples come from pi_behav, so these are unbiased estimators)
-    w_max                largest w = pi_prox / pi_behav in this call
+    w_max                largest w = pi_prox / pi_behav among this call's tokens
     w_frac_above_c       fraction of tokens with w > C (where ACR widens the upper bound)
     upper_bound_mean/max the upper clip bound (1 + eps_high) / r actually applied
     clipfrac_upper       A > 0 and R above the upper bound (gradient stopped)
@@ -84,14 +84,14 @@ def log_weight_from_is_weights(rollout_is_weights: torch.Tensor, response_mask: 
     gone wrong); ACR would silently treat it as w = tiny, so refuse instead.
     """
     mask = response_mask.bool()
-    w = rollout_is_weights.detach()
-    if bool(((w <= 0) & mask).any()):
+    w_or_one = torch.where(mask, rollout_is_weights.detach(), 1.0)  # log(1) = 0 outside the mask
+    if bool(w_or_one.amin() <= 0):
         raise ValueError(
             "rollout_is_weights has non-positive values on response tokens: the qurl losses need "
             "untruncated token-level weights pi_prox/pi_behav (no IcePop 'lo_hi' threshold, no "
             "rejection sampling, no batch normalisation in algorithm.rollout_correction)."
         )
-    return torch.where(mask, torch.log(w.clamp_min(torch.finfo(w.dtype).tiny)), torch.zeros_like(w))
+    return torch.log(w_or_one)
 
 
 def acr_token_loss(
@@ -114,7 +114,7 @@ def acr_token_loss(
     Args:
         log_prob: log pi_theta, [B, T], requires grad.
         old_log_prob: log pi_prox, [B, T] (treated as a constant).
-        log_w: log(pi_prox / pi_behav), [B, T] (treated as a constant; any finite value).
+        log_w: log(pi_prox / pi_behav), [B, T] (treated as a constant; any magnitude).
         advantages: [B, T].
         response_mask: [B, T], bool or 0/1.
         is_cap: C, the truncation of the outer importance weight min(w, C); > 0.
@@ -122,7 +122,7 @@ def acr_token_loss(
         clip_ratio_c: verl's dual-clip constant for A < 0; > 1.
         adaptive: widen the upper bound to (1 + eps_high) / r (ACR); False gives plain TIS.
         upper_bound_cap: optional ceiling on the widened upper bound (None = the paper: no cap).
-        with_stats: also compute the diagnostics (costs a few reductions).
+        with_stats: also compute the diagnostics (about 20 extra elementwise passes).
 
     Returns:
         (loss_mat [B, T] with gradient through log_prob only, AcrStats or None). Entries outside
@@ -132,72 +132,84 @@ def acr_token_loss(
         raise ValueError(f"is_cap (C) must be > 0, got {is_cap}")
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual-clip PPO, got {clip_ratio_c}")
+    if upper_bound_cap is not None and upper_bound_cap < 1.0 + clip_ratio_high:
+        raise ValueError(f"upper_bound_cap must be >= 1 + clip_ratio_high = {1.0 + clip_ratio_high}, got {upper_bound_cap}")
 
     log_w = log_w.detach()
     log_c = math.log(is_cap)
-    # -log r = max(0, log w - log C): how far w exceeds C, in log space (no overflow for any w).
-    log_excess = torch.clamp(log_w - log_c, min=0.0)
-    is_weight = torch.exp(log_w - log_excess)  # min(w, C), computed without forming w
+    is_weight = torch.exp(torch.clamp(log_w, max=log_c))  # min(w, C), without forming w (no overflow)
 
     log_ratio = torch.clamp(log_prob - old_log_prob.detach(), min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
 
     lower = 1.0 - clip_ratio_low
     if adaptive:
-        log_upper = math.log1p(clip_ratio_high) + log_excess  # log((1 + eps_high) / r)
-        if upper_bound_cap is not None:
-            log_upper = torch.clamp(log_upper, max=math.log(upper_bound_cap))
-        upper = torch.exp(torch.clamp(log_upper, max=LOG_RATIO_BOUND))
-        clipped_ratio = torch.minimum(torch.clamp(ratio, min=lower), upper)
+        upper = torch.exp(_log_upper_bound(log_w, log_c, clip_ratio_high, upper_bound_cap))
+        clipped_ratio = torch.clamp(ratio, min=ratio.new_tensor(lower), max=upper)
     else:
         upper = 1.0 + clip_ratio_high
         clipped_ratio = torch.clamp(ratio, min=lower, max=upper)
 
-    # Same expression tree as verl's vanilla PPO loss, so TIS matches it bit for bit.
-    unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * clipped_ratio
+    # verl's vanilla PPO expression (pg_losses1/2/3), so the clipping decisions match it exactly.
+    neg_adv = -advantages
+    unclipped_loss = neg_adv * ratio
+    clipped_loss = neg_adv * clipped_ratio
     ppo_loss = torch.maximum(unclipped_loss, clipped_loss)
-    dual_clip_loss = torch.minimum(-advantages * clip_ratio_c, ppo_loss)
+    dual_clip_loss = torch.minimum(neg_adv * clip_ratio_c, ppo_loss)
     loss_mat = torch.where(advantages < 0, dual_clip_loss, ppo_loss) * is_weight
 
     stats = None
     if with_stats:
         with torch.no_grad():
-            stats = _token_stats(
-                log_w, log_c, log_ratio, ratio, upper, advantages, response_mask, lower, clip_ratio_c
-            )
+            upper_of = (lambda lw: _log_upper_bound(lw, log_c, clip_ratio_high, upper_bound_cap).exp()) if adaptive else None
+            stats = _token_stats(log_w, log_c, log_ratio, ratio, upper, upper_of, advantages, response_mask, lower, clip_ratio_c)
     return loss_mat, stats
 
 
-def _token_stats(log_w, log_c, log_ratio, ratio, upper, advantages, response_mask, lower, clip_ratio_c) -> AcrStats:
-    mask = response_mask.bool()
-    maskf = mask.to(log_w.dtype)
-    count = maskf.sum().clamp_min(1.0)
-    positive = (advantages > 0) & mask
-    negative = (advantages < 0) & mask
+def _log_upper_bound(log_w: torch.Tensor, log_c: float, clip_ratio_high: float, upper_bound_cap: Optional[float]) -> torch.Tensor:
+    """log((1 + eps_high) / r) = log(1 + eps_high) + max(0, log w - log C), in one clamp.
 
-    log_w_safe = torch.clamp(log_w, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    neg_inf = torch.tensor(float("-inf"), dtype=log_w.dtype, device=log_w.device)
-    log_w_max = torch.where(mask, log_w, neg_inf).amax()
-    if isinstance(upper, torch.Tensor):
-        upper_sum = (upper * maskf).sum()
-        upper_max = torch.where(mask, upper, neg_inf).amax()
-        above_upper = ratio > upper
-    else:
+    Optionally capped, and clamped at e^20, above which it cannot bind (R <= e^20).
+    """
+    base = math.log1p(clip_ratio_high)
+    top = LOG_RATIO_BOUND if upper_bound_cap is None else min(LOG_RATIO_BOUND, math.log(upper_bound_cap))
+    return torch.clamp(log_w + (base - log_c), min=base, max=max(top, base))
+
+
+def _token_stats(log_w, log_c, log_ratio, ratio, upper, upper_of, advantages, response_mask, lower, clip_ratio_c) -> AcrStats:
+    """The AcrStats values, with as few passes over the [B, T] tensors as is readable."""
+    mask = response_mask.bool()
+    maskf = mask.to(log_w.dtype).reshape(-1)
+    count = maskf.sum().clamp_min(1.0)
+    log_w_in = torch.where(mask, log_w, 0.0)  # masked-out tokens count as w = 1: no KL, not above C >= 1
+    adv_in = torch.where(mask, advantages, 0.0)
+    positive, negative = adv_in > 0, adv_in < 0
+    above_c = log_w_in > log_c
+    if log_c < 0:  # C < 1: w = 1 would count as above C
+        above_c &= mask
+
+    log_w_safe = torch.clamp(log_w_in, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    log_w_max = torch.where(mask, log_w, float("-inf")).amax()
+    if upper_of is None:  # TIS: one constant bound
         upper_sum = count * upper
         upper_max = torch.full_like(count, upper)
-        above_upper = ratio > upper
+    else:  # the bound grows with w, so its maximum sits at the largest w
+        upper_sum = torch.dot(upper.reshape(-1), maskf)
+        upper_max = upper_of(log_w_max)
+
+    def n(condition: torch.Tensor) -> torch.Tensor:
+        return torch.count_nonzero(condition).to(count.dtype)
 
     sums = torch.stack(
         [
-            (-log_w * maskf).sum(),
-            ((torch.expm1(log_w_safe) - log_w_safe) * maskf).sum(),
-            ((log_w > log_c) & mask).sum().to(count.dtype),
+            -log_w_in.sum(),
+            (torch.expm1(log_w_safe) - log_w_safe).sum(),
+            n(above_c),
             upper_sum,
-            (above_upper & positive).sum().to(count.dtype),
-            ((ratio < lower) & negative).sum().to(count.dtype),
-            ((ratio > clip_ratio_c) & negative).sum().to(count.dtype),
-            (-log_ratio * maskf).sum(),
+            n((ratio > upper) & positive),
+            n((ratio < lower) & negative),
+            n((ratio > clip_ratio_c) & negative),
+            -torch.dot(log_ratio.detach().reshape(-1), maskf),
         ]
     ).double() / count.double()
     k1, k3, frac_c, upper_mean, cf_up, cf_low, cf_dual, ppo_kl = sums.unbind()

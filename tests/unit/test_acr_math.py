@@ -237,7 +237,8 @@ def test_log_weight_recovery_from_verl_weights():
         log_weight_from_is_weights(w_zeroed, mask)
 
 
-@pytest.mark.parametrize("kwargs, match", [({"is_cap": 0.0}, "is_cap"), ({"clip_ratio_c": 1.0}, "clip_ratio_c")])
+@pytest.mark.parametrize("kwargs, match", [
+    ({"is_cap": 0.0}, "is_cap"), ({"clip_ratio_c": 1.0}, "clip_ratio_c"), ({"upper_bound_cap": 1.1}, "upper_bound_cap")])
 def test_bad_constants_are_refused(kwargs, match):
     b = make_batch(2, 4)
     args = dict(is_cap=C, clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=DUAL_C) | kwargs

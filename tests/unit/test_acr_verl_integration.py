@@ -80,6 +80,17 @@ def test_register_puts_both_names_in_verls_registry():
     assert get_policy_loss_fn("qurl_tis").__name__ == "qurl_tis_policy_loss"
 
 
+def test_building_the_config_registers_the_losses(monkeypatch, composed):
+    """A worker that builds its actor config finds the losses even if verl's plugin loading was off."""
+    from verl.trainer.ppo import core_algos
+
+    monkeypatch.setattr(core_algos, "POLICY_LOSS_REGISTRY", {"vanilla": core_algos.compute_policy_loss_vanilla})
+    with pytest.raises(ValueError, match="Unsupported loss mode"):
+        get_policy_loss_fn("qurl_acr")
+    actor_config(composed, "qurl_acr", "token-mean")
+    assert get_policy_loss_fn("qurl_acr").__name__ == "qurl_acr_policy_loss"
+
+
 # ---- verl's ppo_loss with the TensorDict layout the FSDP engine hands it -------------------------------------------
 
 
