@@ -1,8 +1,11 @@
 """Time re-quantizing every linear weight of a Qwen2-0.5B-shaped model, as each rollout weight sync does.
 
 Random weights (std 0.02) are generated one decoder layer at a time to keep memory at one layer;
-only the quantize calls are timed. Also times the per-step update-visibility statistics (UpdateVisibilityTracker).
-Writes bench/results/quantize.json and prints a table.
+only the quantize calls are timed. Also times the per-step update-visibility statistics
+(UpdateVisibilityTracker), and measures what UAQ does to one optimiser step: the share of q/k/v
+codes that change and the update-to-quantization-error ratio, with and without UAQ (s = 1.5), for
+Adam and SGD on a small random Qwen2 (spec §3.4 predicts the ratio grows by s under Adam, s^2 under SGD).
+Writes bench/results/quantize.json and prints tables.
 
     .venv/bin/python bench/bench_quantize.py [--threads 2] [--repeats 5] [--layers 24]
 """
@@ -17,10 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import copy
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qurl_verl.quant import UpdateStats, UpdateVisibilityTracker, quantize  # noqa: E402
+from qurl_verl.quant import UpdateStats, UpdateVisibilityTracker, apply_uaq, quantize, update_visibility  # noqa: E402
 
 # Qwen2-0.5B: hidden 896, intermediate 4864, 14 heads / 2 KV heads (head_dim 64), 24 layers.
 HIDDEN, INTERMEDIATE, KV = 896, 4864, 2 * 64
@@ -80,11 +85,54 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def uaq_one_step(scale: float = 1.5) -> list[dict]:
+    """One optimiser step on a random Qwen2 (hidden 256, 4 layers) with and without UAQ."""
+    import transformers
+
+    config = transformers.Qwen2Config(hidden_size=256, intermediate_size=704, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=4, vocab_size=512,
+                                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(1))
+    qkv = ("q_proj", "k_proj", "v_proj")
+    rows = []
+    for optimizer, lrs in (("adam", (1e-5, 1e-4, 1e-3)), ("sgd", (1e-2, 1e-1, 1.0))):
+        for lr in lrs:
+            stats = {}
+            for label in ("base", "uaq"):
+                model = copy.deepcopy(base)
+                if label == "uaq":
+                    apply_uaq(model, scale)
+                before = {n: p.detach().clone() for n, p in model.named_parameters()}
+                opt_cls = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
+                opt = opt_cls(model.parameters(), lr=lr)
+                model.train()
+                model(ids, labels=ids).loss.backward()
+                opt.step()
+                after = {n: p.detach() for n, p in model.named_parameters()}
+                stats[label] = {f: update_visibility(before, after, f, "channel", targets=qkv)["overall"]
+                                for f in ("int8", "fp8")}
+            for fmt in ("int8", "fp8"):
+                b, u = stats["base"][fmt], stats["uaq"][fmt]
+                rows.append({
+                    "optimizer": optimizer, "lr": lr, "fmt": fmt,
+                    "changed_fraction_base": round(b["changed_fraction"], 4),
+                    "changed_fraction_uaq": round(u["changed_fraction"], 4),
+                    "changed_ratio": round(u["changed_fraction"] / b["changed_fraction"], 3) if b["changed_fraction"] else None,
+                    "update_to_error_base": round(b["update_to_error_ratio"], 4),
+                    "update_to_error_uaq": round(u["update_to_error_ratio"], 4),
+                    "update_to_error_gain": round(u["update_to_error_ratio"] / b["update_to_error_ratio"], 3),
+                })
+    return rows
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5, help="timings per tensor; min and median are reported")
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--skip-uaq", action="store_true", help="skip the UAQ one-step measurement")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quantize.json"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -152,6 +200,12 @@ def main(argv=None) -> dict:
         },
         "target": "INT8 channel < 3 s on 2 cores",
     }
+    if not args.skip_uaq:
+        result["uaq_one_step"] = {
+            "what": "one step on a random Qwen2 (hidden 256, 4 layers, vocab 512, batch 8x64 tokens), q/k/v weights, "
+                    "per-channel quantization; base vs UAQ s=1.5 from the same initial function",
+            "rows": uaq_one_step(),
+        }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -166,6 +220,11 @@ def main(argv=None) -> dict:
     print(f"update visibility per RL step (int8 channel, fp32): best {uv['seconds_best']:.3f} s, median "
           f"{uv['seconds_median']:.3f} s; at |dW|=1e-4: {uv['changed_fraction_at_step_1e-4']:.3f} of codes changed, "
           f"update/error ratio {uv['update_to_error_ratio_at_step_1e-4']:.3f}")
+    if "uaq_one_step" in result:
+        print("UAQ s=1.5, one step, q/k/v: changed codes base -> UAQ (ratio); update/error gain")
+        for r in result["uaq_one_step"]["rows"]:
+            print(f"  {r['optimizer']:<4} lr={r['lr']:<7g} {r['fmt']:<4} {r['changed_fraction_base']:.4f} -> "
+                  f"{r['changed_fraction_uaq']:.4f} ({r['changed_ratio']}); x{r['update_to_error_gain']}")
     print(f"wrote {out}")
     return result
 

@@ -150,32 +150,66 @@ def update_visibility(
     return summarize(per_tensor)
 
 
+def sampled_rows(n_rows: int, row_stride: int, granularity: str, block_size: int = DEFAULT_BLOCK_SIZE):
+    """Rows to keep so that quantizing the sample gives the same codes as sampling the quantized tensor.
+
+    ``channel``: every ``row_stride``-th row. ``block``: every ``row_stride``-th band of ``block_size``
+    rows (a band is the row extent of one block). None means all rows.
+    """
+    if row_stride == 1:
+        return None
+    if granularity == "channel":
+        return slice(None, None, row_stride)
+    rows = torch.arange(n_rows)
+    return rows[(rows // block_size) % row_stride == 0]
+
+
 class UpdateVisibilityTracker:
     """Step-to-step update visibility for a weight stream, one tensor at a time.
 
-    Keeps, per targeted tensor, a copy of the last weights seen (same dtype, so memory equals the
-    targeted weights), their codes and their quantization error. Call ``observe`` for each
-    streamed tensor and ``end_step`` once per RL step to get the summary.
+    Keeps, per targeted tensor, a copy of the last weights seen (same dtype), their codes and their
+    quantization error. Call ``observe`` for each streamed tensor and ``end_step`` once per RL step
+    to get the summary. ``row_stride`` > 1 tracks only a sample of rows (see ``sampled_rows``):
+    memory and time shrink by that factor, and the statistics are those of the sampled rows,
+    which are exact for them because per-channel and per-block scales never mix rows across the sample.
     """
 
     def __init__(self, fmt: str | QuantFormat = "int8", granularity: str = "channel", targets: TargetSpec = None,
-                 ignore: Iterable[str] = DEFAULT_IGNORE, block_size: int = DEFAULT_BLOCK_SIZE):
+                 ignore: Iterable[str] = DEFAULT_IGNORE, block_size: int = DEFAULT_BLOCK_SIZE, row_stride: int = 1):
+        if row_stride < 1:
+            raise ValueError(f"row_stride must be >= 1, got {row_stride}")
         self.fmt, self.granularity = resolve_format(fmt), granularity
         self.targets, self.ignore, self.block_size = targets, tuple(ignore), block_size
+        self.row_stride = row_stride
         self._last: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
         self._step: dict[str, UpdateStats] = {}
 
+    def _sample(self, weight: torch.Tensor, q: QuantizedTensor | None):
+        rows = sampled_rows(weight.shape[0], self.row_stride, self.granularity, self.block_size)
+        if rows is None:
+            return weight, q
+        weight = weight[rows]
+        if q is not None:
+            scale_rows = rows if self.granularity == "channel" else slice(None, None, self.row_stride)
+            q = QuantizedTensor(q.data[rows], q.scale[scale_rows], q.fmt, q.granularity, q.block_size)
+        return weight, q
+
     @torch.no_grad()
     def observe(self, name: str, weight: torch.Tensor, quantized: QuantizedTensor | None = None) -> UpdateStats | None:
-        """Record ``weight``; returns its stats against the previous sighting (None the first time or if untargeted)."""
+        """Record ``weight``; returns its stats against the previous sighting (None the first time or if untargeted).
+
+        ``quantized``: the quantization of ``weight`` if the caller already has it (e.g. from the weight sync).
+        """
         if not is_quantization_target(name, weight, self.targets, self.ignore):
             return None
-        q = quantized if quantized is not None else quantize(weight, self.fmt, self.granularity, name=name, block_size=self.block_size)
+        weight, q = self._sample(weight.detach(), quantized)
+        if q is None:
+            q = quantize(weight, self.fmt, self.granularity, name=name, block_size=self.block_size)
         error_sq = quantization_error_sq(weight, q)
         stats = None
         if name in self._last:
             prev, prev_codes, prev_error_sq = self._last[name]
-            delta = weight.detach().to(torch.float32) - prev.to(torch.float32)
+            delta = weight.to(torch.float32) - prev.to(torch.float32)
             stats = UpdateStats(
                 numel=weight.numel(),
                 changed_codes=changed_code_count(prev_codes, q.data),
@@ -183,7 +217,7 @@ class UpdateVisibilityTracker:
                 quant_error_sq=prev_error_sq,
             )
             self._step[name] = stats
-        self._last[name] = (weight.detach().clone(), q.data.clone(), error_sq)
+        self._last[name] = (weight.clone(), q.data.clone(), error_sq)
         return stats
 
     def end_step(self) -> dict:

@@ -74,7 +74,7 @@ def test_int8_channel_matches_float64_reference(shape, dtype):
     assert (err <= q.scale.to(torch.float64) / 2 * (1 + 1e-5)).all()
 
 
-@pytest.mark.parametrize("shape", [(37, 53), (896, 896)])
+@pytest.mark.parametrize("shape", [(37, 53), (896, 4864)])
 def test_fp8_channel_codes_and_error_bound(shape):
     w = randw(*shape, seed=1)
     w[1, 10:30] = torch.linspace(-3e-6, 3e-6, 20)  # codes in E4M3's subnormal range

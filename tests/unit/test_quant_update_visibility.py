@@ -110,3 +110,29 @@ def test_tracker_reports_step_to_step_changes():
             q = quantize(w, "int8", "channel") if "q_proj" in name else None  # reuse a quantization already done
             tracker.observe(name, w, quantized=q)
         assert tracker.end_step() == update_visibility(prev, new, "int8", "channel")
+
+
+@pytest.mark.parametrize("granularity,block_size", [("channel", 128), ("block", 16)])
+@pytest.mark.parametrize("pass_quantized", [False, True])
+def test_row_sampling_equals_statistics_of_the_sampled_rows(granularity, block_size, pass_quantized):
+    prev = weights()
+    new = adam_like_step(prev, 1e-4)
+    stride = 3
+    tracker = UpdateVisibilityTracker("fp8", granularity, block_size=block_size, row_stride=stride)
+    for sd in (prev, new):
+        for name, w in sd.items():
+            q = quantize(w, "fp8", granularity, block_size=block_size) if pass_quantized and w.dim() == 2 else None
+            tracker.observe(name, w, quantized=q)
+    got = tracker.end_step()
+
+    def rows(w):  # written out independently: whole bands of block_size rows, every stride-th band
+        if w.dim() != 2:
+            return w
+        keep = [r for r in range(w.shape[0]) if (r if granularity == "channel" else r // block_size) % stride == 0]
+        return w[keep]
+
+    expected = update_visibility({k: rows(v) for k, v in prev.items()}, {k: rows(v) for k, v in new.items()},
+                                 "fp8", granularity, block_size=block_size)
+    assert got == expected
+    full = update_visibility(prev, new, "fp8", granularity, block_size=block_size)["overall"]["numel"]
+    assert got["overall"]["numel"] < full / 2
