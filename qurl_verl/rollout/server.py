@@ -1,0 +1,46 @@
+"""The `qurl_vllm` engine server and replica: verl's vLLM ones, built quantized, with our worker.
+
+Only the hooks verl 0.9.1 exposes for subclasses are overridden
+(``verl/workers/rollout/vllm_rollout/vllm_async_server.py``):
+
+* ``_apply_quantization``: the compressed-tensors ``quantization_config`` for int8 / fp8 /
+  fp8_block, nothing for bf16. With verl's default ``load_format=dummy`` the engine starts on
+  random weights; the first weight sync, before any rollout, brings in the trainer's.
+* ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
+  layerwise-reload lifecycle at every sync.
+* ``collective_rpc`` returns the workers' results, so the adapter can read the sync timings.
+
+The replica must name its server actors with the prefix the adapter looks up
+(``ServerAdapter._get_server_name_prefix`` is ``f"{rollout.name}_"``; verl's vLLM replica
+hard-codes ``"vllm_"``, which would make ``ray.get_actor("qurl_vllm_server_0_0")`` fail).
+"""
+from __future__ import annotations
+
+import ray
+from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+
+from qurl_verl.rollout.settings import QurlRolloutSettings, check_architecture
+
+WORKER_EXTENSION = "qurl_verl.rollout.worker_extension.QurlWorkerExtension"
+
+
+class QurlvLLMHttpServer(vLLMHttpServer):
+    def _apply_quantization(self):
+        settings = QurlRolloutSettings.from_rollout_config(self.config)
+        check_architecture(getattr(self.model_config.hf_config, "architectures", None), self.model_config.path)
+        return settings.engine_quantization()
+
+    def _get_worker_extension_cls(self) -> str:
+        return WORKER_EXTENSION
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return await self.engine.collective_rpc(method=method, timeout=timeout, args=args, kwargs=kwargs)
+
+
+class QurlvLLMReplica(vLLMReplica):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.server_class = ray.remote(QurlvLLMHttpServer)
+
+    def _get_server_name_prefix(self) -> str:
+        return f"{self.config.name}_"

@@ -1,0 +1,72 @@
+"""The trainer -> engine weight stream, bucket by bucket: quantize the targeted linears, copy the rest.
+
+The trainer streams full, unsharded HF-named tensors (fp32 masters or bf16). Per bucket this
+turns them into what vLLM's ``load_weights`` takes for a compressed-tensors W8A8 model:
+
+* each targeted ``*_proj.weight`` becomes ``X.weight`` (int8 / fp8 codes) + ``X.weight_scale``
+  (fp32) via ``qurl_verl.quant``. Scales come from whole rows, before vLLM shards anything, so
+  every tensor-parallel rank computes the same scales;
+* every other tensor (embeddings, norms, biases, kept-bf16 linears) is **cloned**: verl's
+  receiver hands out views into one transport buffer that the next bucket overwrites, while
+  vLLM's layerwise reload holds on to a layer's tensors until the layer is complete;
+* tensors that already arrive quantized (an 8-bit weight with its ``weight_scale``, i.e. a
+  trainer that quantized on its side) are cloned unchanged.
+
+The numerics live in ``qurl_verl.quant``; this module only decides what goes where.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict
+from qurl_verl.rollout.settings import QurlRolloutSettings
+
+EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+@dataclass
+class StreamStats:
+    tensors_in: int = 0
+    quantized: int = 0
+    passed_through: int = 0
+    bytes_in: int = 0
+    quantize_s: float = 0.0  # quantizing the targeted weights
+    copy_s: float = 0.0  # cloning the pass-through tensors out of the transport buffer
+
+
+@dataclass
+class WeightStreamQuantizer:
+    """Turns trainer buckets into engine buckets for one rollout format."""
+
+    settings: QurlRolloutSettings
+    stats: StreamStats = field(default_factory=StreamStats)
+
+    def is_target(self, name: str, tensor: torch.Tensor) -> bool:
+        return (
+            self.settings.quantized
+            and tensor.dtype not in EIGHT_BIT_DTYPES
+            and is_quantization_target(name, tensor, ignore=self.settings.ignore)
+        )
+
+    def transform(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """One bucket in, the tensors to load out; nothing returned aliases the input buffers."""
+        bucket = list(bucket)
+        is_target = [self.is_target(n, t) for n, t in bucket]
+        start = time.perf_counter()
+        out = [(n, t.clone()) for (n, t), q in zip(bucket, is_target) if not q]
+        copied = time.perf_counter()
+        targets = [item for item, q in zip(bucket, is_target) if q]
+        if targets:
+            s = self.settings
+            out.extend(quantize_state_dict(targets, s.quant_format, s.granularity, ignore=s.ignore))
+        self.stats.copy_s += copied - start
+        self.stats.quantize_s += time.perf_counter() - copied
+        self.stats.tensors_in += len(bucket)
+        self.stats.quantized += len(targets)
+        self.stats.passed_through += len(bucket) - len(targets)
+        self.stats.bytes_in += sum(t.numel() * t.element_size() for _, t in bucket)
+        return out
