@@ -7,7 +7,7 @@ codes that change and the update-to-quantization-error ratio, with and without U
 Adam and SGD on a small random Qwen2 (spec §3.4 predicts the ratio grows by s under Adam, s^2 under SGD).
 Writes bench/results/quantize.json and prints tables.
 
-    .venv/bin/python bench/bench_quantize.py [--threads 2] [--repeats 5] [--layers 24]
+    .venv/bin/python bench/bench_quantize.py [--threads 2,1] [--repeats 5] [--layers 24] [--skip-uaq]
 """
 from __future__ import annotations
 
@@ -127,29 +127,22 @@ def uaq_one_step(scale: float = 1.5) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5, help="timings per tensor; min and median are reported")
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--skip-uaq", action="store_true", help="skip the UAQ one-step measurement")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quantize.json"))
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+def time_quantization(layers: int, repeats: int, threads: int) -> dict:
+    """Quantize every linear weight of the model once per case; also one tracker step per tensor."""
+    torch.set_num_threads(threads)
     quantize(torch.randn(256, 256), "int8", "channel")  # warm-up
     load_before = load_average()
-
     best = [0.0] * len(CASES)  # sum over tensors of the fastest run
     typical = [0.0] * len(CASES)  # sum over tensors of the median run
     vis_best = vis_typical = 0.0
     pooled = UpdateStats()
     numel = 0
-    for layer in range(args.layers):
+    for layer in range(layers):
         by_dtype = {dtype: layer_weights(layer, dtype) for dtype in {c[2] for c in CASES}}
         numel += sum(w.numel() for w in by_dtype[torch.float32].values())
         for i, (fmt, gran, dtype, _) in enumerate(CASES):
             for name, w in by_dtype[dtype].items():
-                samples = timed(lambda: quantize(w, fmt, gran, name=name), args.repeats)
+                samples = timed(lambda: quantize(w, fmt, gran, name=name), repeats)
                 best[i] += min(samples)
                 typical[i] += statistics.median(samples)
         # One RL step seen by the update-visibility tracker (int8 channel, fp32 masters, |dW| = 1e-4).
@@ -157,7 +150,7 @@ def main(argv=None) -> dict:
         tracker = UpdateVisibilityTracker("int8", "channel")
         for name in new:
             samples = []
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 tracker.observe(name, prev[name])  # untimed: sets the previous step
                 start = time.perf_counter()
                 stats = tracker.observe(name, new[name])
@@ -166,7 +159,6 @@ def main(argv=None) -> dict:
             vis_best += min(samples)
             vis_typical += statistics.median(samples)
         del by_dtype, prev, new, tracker
-
     rows = [
         {
             "fmt": fmt,
@@ -180,16 +172,12 @@ def main(argv=None) -> dict:
         for i, (fmt, gran, dtype, note) in enumerate(CASES)
     ]
     overall = pooled.as_dict()
-    result = {
-        "what": "quantize all linear weights of a Qwen2-0.5B-shaped model (random, std 0.02), one tensor at a time",
-        "model": {"layers": args.layers, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "heads": 14, "kv_heads": 2,
-                  "quantized_params": numel},
-        "timing": (f"per tensor {args.repeats} runs; seconds_best sums each tensor's fastest run, seconds_median its "
-                   "median run; weight generation not timed. The machine is shared, so best is the uncontended estimate."),
-        "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": args.threads,
-                    "torch": torch.__version__, "python": platform.python_version(),
-                    "load_average_before": load_before, "load_average_after": load_average()},
-        "results": rows,
+    return {
+        "threads": threads,
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "quantized_params": numel,
+        "quantize": rows,
         "update_visibility": {
             "case": "int8 channel, fp32 weights, one UpdateVisibilityTracker.observe per tensor "
                     "(quantize + quantization error + code diff + keep a copy)",
@@ -198,33 +186,60 @@ def main(argv=None) -> dict:
             "changed_fraction_at_step_1e-4": round(overall["changed_fraction"], 4),
             "update_to_error_ratio_at_step_1e-4": round(overall["update_to_error_ratio"], 4),
         },
+    }
+
+
+def print_timing(run: dict) -> None:
+    print(f"\n{run['quantized_params'] / 1e6:.0f} M quantized parameters, {run['threads']} thread(s), "
+          f"load {run['load_average_before']} -> {run['load_average_after']}")
+    print(f"{'fmt':<5} {'granularity':<12} {'input':<9} {'best s':>7} {'median s':>9} {'Melem/s':>8}  note")
+    for r in run["quantize"]:
+        print(f"{r['fmt']:<5} {r['granularity']:<12} {r['input_dtype']:<9} {r['seconds_best']:>7.3f} "
+              f"{r['seconds_median']:>9.3f} {r['melem_per_s_best']:>8.1f}  {r['note']}")
+    uv = run["update_visibility"]
+    print(f"update visibility per RL step (int8 channel, fp32): best {uv['seconds_best']:.3f} s, median "
+          f"{uv['seconds_median']:.3f} s; at |dW|=1e-4: {uv['changed_fraction_at_step_1e-4']:.3f} of codes changed, "
+          f"update/error ratio {uv['update_to_error_ratio_at_step_1e-4']:.3f}")
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", default="2,1", help="comma-separated torch thread counts, each timed in turn")
+    parser.add_argument("--repeats", type=int, default=5, help="timings per tensor; min and median are reported")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--skip-uaq", action="store_true", help="skip the UAQ one-step measurement")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quantize.json"))
+    args = parser.parse_args(argv)
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    runs = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        runs.append(time_quantization(args.layers, args.repeats, threads))
+        print_timing(runs[-1])
+    result = {
+        "what": "quantize all linear weights of a Qwen2-0.5B-shaped model (random, std 0.02), one tensor at a time",
+        "model": {"layers": args.layers, "hidden": HIDDEN, "intermediate": INTERMEDIATE, "heads": 14, "kv_heads": 2},
+        "timing": (f"per tensor {args.repeats} runs; seconds_best sums each tensor's fastest run, seconds_median its "
+                   "median run; weight generation not timed. The machine is shared: with other jobs on the cores, "
+                   "2 torch threads wait on each other at every parallel region, so 1 thread can be faster."),
+        "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                    "python": platform.python_version()},
+        "runs": runs,
         "target": "INT8 channel < 3 s on 2 cores",
     }
     if not args.skip_uaq:
+        torch.set_num_threads(int(args.threads.split(",")[0]))
         result["uaq_one_step"] = {
             "what": "one step on a random Qwen2 (hidden 256, 4 layers, vocab 512, batch 8x64 tokens), q/k/v weights, "
                     "per-channel quantization; base vs UAQ s=1.5 from the same initial function",
             "rows": uaq_one_step(),
         }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-
-    print(f"{numel / 1e6:.0f} M quantized parameters, {args.threads} threads, {cpu_model()}, "
-          f"load {load_before} -> {result['machine']['load_average_after']}")
-    print(f"{'fmt':<5} {'granularity':<12} {'input':<9} {'best s':>7} {'median s':>9} {'Melem/s':>8}  note")
-    for r in rows:
-        print(f"{r['fmt']:<5} {r['granularity']:<12} {r['input_dtype']:<9} {r['seconds_best']:>7.3f} "
-              f"{r['seconds_median']:>9.3f} {r['melem_per_s_best']:>8.1f}  {r['note']}")
-    uv = result["update_visibility"]
-    print(f"update visibility per RL step (int8 channel, fp32): best {uv['seconds_best']:.3f} s, median "
-          f"{uv['seconds_median']:.3f} s; at |dW|=1e-4: {uv['changed_fraction_at_step_1e-4']:.3f} of codes changed, "
-          f"update/error ratio {uv['update_to_error_ratio_at_step_1e-4']:.3f}")
-    if "uaq_one_step" in result:
-        print("UAQ s=1.5, one step, q/k/v: changed codes base -> UAQ (ratio); update/error gain")
+        print("\nUAQ s=1.5, one step, q/k/v: changed codes base -> UAQ (ratio); update/error gain")
         for r in result["uaq_one_step"]["rows"]:
             print(f"  {r['optimizer']:<4} lr={r['lr']:<7g} {r['fmt']:<4} {r['changed_fraction_base']:.4f} -> "
                   f"{r['changed_fraction_uaq']:.4f} ({r['changed_ratio']}); x{r['update_to_error_gain']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return result
 

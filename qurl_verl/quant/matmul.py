@@ -73,7 +73,9 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """8-bit W8A8 linear on real codes: ``_int_mm`` for INT8, ``_scaled_mm`` for FP8.
 
-    ``x`` is [..., K]; the result is [..., N] in ``out_dtype`` (default ``x.dtype``).
+    ``x`` is [..., K]; the result is [..., N] in ``out_dtype`` (default ``x.dtype``). On CPU the
+    INT8 path is faster than a bf16 matmul for decode-sized batches, while FP8 ``_scaled_mm`` is
+    emulated (~45x slower than bf16): use it there to check numbers, not for speed.
     """
     if x.shape[-1] != qw.shape[1]:
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {qw.shape[1]}")

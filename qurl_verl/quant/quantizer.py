@@ -70,7 +70,7 @@ class QuantizedTensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         # float64 requests are computed in float64 so references stay exact.
         compute = torch.float64 if dtype == torch.float64 else torch.float32
-        return (self.data.to(compute) * self.expanded_scale(compute)).to(dtype)
+        return self.data.to(compute, copy=True).mul_(self.expanded_scale(compute)).to(dtype)
 
 
 def _absmax(t: torch.Tensor, dim) -> torch.Tensor:
