@@ -85,17 +85,18 @@ def apply() -> bool:
 
     @functools.wraps(original)
     def process_weights_for_onednn(self, layer):
-        w_name, s_name, _, _, _ = self.layer_param_names
-        weight = getattr(layer, w_name)  # [N, K] int8; the original transposes it, prepacks and drops it
-        original(self, layer)
         if self.config.is_static_input_scheme or not self.config.input_symmetric:
             logger.warning("qurl-verl: oneDNN int8 saturates on this CPU; static/asymmetric W8A8 left unpatched")
-            return
+            return original(self, layer)
+        w_name, s_name, _, _, _ = self.layer_param_names
+        # [N, K] codes; taken first: the original transposes the Parameter in place and drops it
+        split = split_codes(getattr(layer, w_name))
+        original(self, layer)
         from vllm import _custom_ops as ops
 
         scale = getattr(layer, s_name)  # [N, 1] fp32 after the original's channel-wise conversion
         split_scale = torch.cat([scale.data, scale.data]).contiguous()
-        self.dnnl_handler = ops.create_onednn_scaled_mm(split_codes(weight).t(), split_scale, torch.float32, True, False, 32)
+        self.dnnl_handler = ops.create_onednn_scaled_mm(split.t(), split_scale, torch.float32, True, False, 32)
         setattr(self, SPLIT_SCALE_ATTR, split_scale)
         self.linear_method = functools.partial(_apply_split, self)
 

@@ -168,12 +168,14 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
             stats.load_s += time.perf_counter() - start
             stats.buckets += 1
 
+        # A tied lm_head gets its own meta weight during the reload: spot it while still tied.
+        tied_lm_head = vllm_cpu_tied_lm_head_refresh.tied_lm_head(model)
         start = time.perf_counter()
         try:
             with torch.device(device):
                 initialize_layerwise_reload(model)
             yield load_bucket
-            _check_all_layers_loaded(model)
+            _check_all_layers_loaded(model, allowed_missing=tied_lm_head)
             finalize_start = time.perf_counter()
             with torch.device(device):
                 finalize_layerwise_reload(model, model_config)
@@ -206,17 +208,18 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         model.register_forward_pre_hook(refuse)
 
 
-def _check_all_layers_loaded(model: torch.nn.Module) -> None:
+def _check_all_layers_loaded(model: torch.nn.Module, allowed_missing: torch.nn.Module | None) -> None:
     """Every layer with parameters got all its elements; else vLLM would keep stale weights
-    (nothing loaded) or post-process uninitialized memory (partly loaded) without an error."""
+    (nothing loaded) or post-process uninitialized memory (partly loaded) without an error.
+    ``allowed_missing``: the tied lm_head, whose weight a stream may send under the embedding's
+    name only (then vLLM keeps the shared Parameter, updated through the embedding)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-    tied = vllm_cpu_tied_lm_head_refresh.tied_lm_head(model)
     missing = []
     for name, layer in model.named_modules():
         info = get_layerwise_info(layer)
-        if not info.can_load() or layer is tied or is_deferred_attention_layer(layer):
+        if not info.can_load() or layer is allowed_missing or is_deferred_attention_layer(layer):
             continue
         if info.restore_metadata[0] and info.load_numel < info.load_numel_total:
             missing.append(f"{name or type(layer).__name__} ({info.load_numel}/{info.load_numel_total})")

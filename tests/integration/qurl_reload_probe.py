@@ -2,6 +2,8 @@
 installs them, and a direct feeder (tensors over collective_rpc instead of verl's ZMQ stream)."""
 from __future__ import annotations
 
+import io
+
 import torch
 
 from qurl_verl.patches import vllm_cpu_int8_saturation, vllm_cpu_onednn_scale_keepalive, vllm_cpu_tied_lm_head_refresh
@@ -30,9 +32,9 @@ class ProbeWorkerExtension(QurlWorkerExtension):
     def probe_refresh_lm_head(self) -> bool:
         return vllm_cpu_tied_lm_head_refresh.refresh(self.model_runner.model)
 
-    def probe_sync(self, named_tensors, bucket_size: int = 4):
-        """One reload from the given tensors, ``bucket_size`` tensors per bucket."""
-        named_tensors = [(name, t) for name, t in named_tensors]
+    def probe_sync(self, blob: bytes, bucket_size: int = 4):
+        """One reload from ``torch.save``d (name, tensor) pairs, ``bucket_size`` tensors per bucket."""
+        named_tensors = torch.load(io.BytesIO(blob))
         with self.qurl_weight_reload() as load_bucket:
             for i in range(0, len(named_tensors), bucket_size):
                 load_bucket(named_tensors[i : i + bucket_size])

@@ -1,0 +1,144 @@
+"""qurl_vllm rollout settings: where the format comes from, what the engine is built with, and
+the one-message errors a user gets for configs that cannot run."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from omegaconf import OmegaConf
+
+from qurl_verl.config import QurlConfigError
+from qurl_verl.rollout.settings import (
+    QurlRolloutSettings,
+    check_cpu_support,
+    validate_rollout_settings,
+)
+
+
+def rollout_node(quantization=None, qurl=None):
+    node = {"name": "qurl_vllm", "quantization": quantization, "custom": None}
+    if qurl is not None:
+        node["custom"] = {"qurl": qurl}
+    return OmegaConf.create(node)
+
+
+@pytest.mark.parametrize(
+    "value, fmt, quant, granularity",
+    [
+        (None, "int8", "int8", "channel"),  # rollout.name=qurl_vllm alone means INT8
+        ("int8", "int8", "int8", "channel"),
+        ("FP8", "fp8", "fp8", "channel"),
+        ("fp8_block", "fp8_block", "fp8", "block"),
+        ("bf16", "bf16", None, None),
+    ],
+)
+def test_format_comes_from_rollout_quantization(value, fmt, quant, granularity):
+    s = QurlRolloutSettings.from_rollout_config(rollout_node(value))
+    assert (s.format, s.quant_format, s.granularity) == (fmt, quant, granularity)
+
+
+def test_int8_engine_config_is_compressed_tensors_w8a8_per_channel_per_token():
+    quantization, overrides = QurlRolloutSettings.from_rollout_config(rollout_node("int8")).engine_quantization()
+    cfg = overrides["quantization_config"]
+    group = cfg["config_groups"]["group_0"]
+    assert quantization == "compressed-tensors" and cfg["quant_method"] == "compressed-tensors"
+    assert group["weights"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    assert group["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    assert cfg["ignore"] == ["lm_head"]
+
+
+def test_fp8_block_engine_config_has_128_blocks_and_groups():
+    _, overrides = QurlRolloutSettings(format="fp8_block").engine_quantization()
+    group = overrides["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["type"] == "float" and group["weights"]["block_structure"] == [128, 128]
+    assert group["input_activations"]["strategy"] == "group" and group["input_activations"]["group_size"] == 128
+
+
+def test_bf16_builds_an_unquantized_engine():
+    assert QurlRolloutSettings(format="bf16").engine_quantization() == (None, {})
+
+
+def test_keep_bf16_layers_join_the_ignore_list():
+    s = QurlRolloutSettings.from_rollout_config(
+        rollout_node("int8", {"keep_bf16": ["model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*"]})
+    )
+    assert s.ignore == ("lm_head", "model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*")
+    assert s.quantization_config()["ignore"] == list(s.ignore)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_block", "bf16"])
+def test_worker_recovers_the_settings_from_the_engine_config(fmt):
+    s = QurlRolloutSettings(format=fmt, keep_bf16=("model.layers.0.mlp.down_proj",) if fmt != "bf16" else ())
+    assert QurlRolloutSettings.from_quantization_config(s.quantization_config()) == s
+
+
+def test_worker_rejects_a_foreign_quantization_config():
+    with pytest.raises(ValueError, match="not a qurl_vllm quantization_config"):
+        QurlRolloutSettings.from_quantization_config({"quant_method": "gptq", "config_groups": {"group_0": {"weights": {"type": "int", "strategy": "group"}}}})
+
+
+def test_unknown_format_names_the_key_and_the_choices():
+    with pytest.raises(QurlConfigError) as e:
+        QurlRolloutSettings.from_rollout_config(rollout_node("int4"))
+    msg = str(e.value)
+    assert "actor_rollout_ref.rollout.quantization='int4'" in msg and "int8, fp8, fp8_block, bf16" in msg
+
+
+def test_unknown_custom_key_is_rejected():
+    with pytest.raises(QurlConfigError, match=r"custom\.qurl\.keep_bf15.*keep_bf16"):
+        QurlRolloutSettings.from_rollout_config(rollout_node("int8", {"keep_bf15": ["x"]}))
+
+
+def test_keep_bf16_must_hold_names():
+    with pytest.raises(QurlConfigError, match="keep_bf16 must be a list"):
+        QurlRolloutSettings.from_rollout_config(rollout_node("int8", {"keep_bf16": [3]}))
+
+
+def driver_config(tmp_path, quantization="int8", architectures=("Qwen2ForCausalLM",), device="cpu"):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"architectures": list(architectures)}))
+    return OmegaConf.create(
+        {
+            "actor_rollout_ref": {"model": {"path": str(model)}, "rollout": rollout_node(quantization)},
+            "trainer": {"device": device},
+        }
+    )
+
+
+def test_valid_config_passes(tmp_path):
+    assert validate_rollout_settings(driver_config(tmp_path)).format == "int8"
+
+
+def test_unknown_architecture_is_one_clear_error(tmp_path):
+    with pytest.raises(QurlConfigError) as e:
+        validate_rollout_settings(driver_config(tmp_path, architectures=["GPT2LMHeadModel"]))
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg and "Qwen2ForCausalLM" in msg and "rollout.name=vllm" in msg
+
+
+def test_block_fp8_on_a_cpu_without_amx_is_one_clear_error(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    with pytest.raises(QurlConfigError, match="fp8_block needs a CPU with AMX.*quantization=int8"):
+        validate_rollout_settings(driver_config(tmp_path, quantization="fp8_block"))
+
+
+def test_block_fp8_on_gpu_hosts_is_not_checked_against_the_cpu(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert validate_rollout_settings(driver_config(tmp_path, quantization="fp8_block", device="cuda")).format == "fp8_block"
+
+
+def test_block_fp8_with_amx_is_allowed():
+    check_cpu_support(QurlRolloutSettings(format="fp8_block"), amx=True)
+
+
+def test_per_channel_fp8_on_cpu_runs_with_a_warning(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="qurl_verl"):
+        assert validate_rollout_settings(driver_config(tmp_path, quantization="fp8")).format == "fp8"
+    assert "emulated FP8" in caplog.text

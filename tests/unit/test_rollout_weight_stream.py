@@ -1,0 +1,107 @@
+"""The trainer -> engine stream: which tensors get quantized, under which names, and that nothing
+handed to vLLM aliases the transport buffer verl's receiver reuses for the next bucket."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qurl_verl.quant import quantize
+from qurl_verl.rollout.settings import QurlRolloutSettings
+from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def state(tiny_causal_lm):
+    model = tiny_causal_lm("qwen2", dtype=torch.float32)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def in_one_buffer(named):
+    """verl's BucketedWeightReceiver: every tensor is a view into one shared uint8 buffer."""
+    size = sum(t.numel() * t.element_size() for _, t in named)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    views, offset = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        view = buffer[offset : offset + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        views.append((name, view))
+        offset += n
+    return buffer, views
+
+
+def test_int8_quantizes_exactly_the_decoder_projections(state):
+    out = dict(WeightStreamQuantizer(QurlRolloutSettings(format="int8")).transform(state.items()))
+    for name, t in state.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJ:
+            q = quantize(t, "int8", "channel")
+            assert out[name].dtype == torch.int8 and torch.equal(out[name], q.data)
+            assert out[module + ".weight_scale"].dtype == torch.float32
+            assert torch.equal(out[module + ".weight_scale"], q.scale) and q.scale.shape == (t.shape[0], 1)
+        else:  # embeddings, norms, biases, lm_head: unchanged
+            assert torch.equal(out[name], t) and out[name].dtype == t.dtype
+    assert not any(k.startswith(("model.embed_tokens.weight_scale", "lm_head.weight_scale")) for k in out)
+
+
+def test_fp8_block_uses_128_blocks(state):
+    out = dict(WeightStreamQuantizer(QurlRolloutSettings(format="fp8_block")).transform(state.items()))
+    w = state["model.layers.0.mlp.gate_proj.weight"]
+    assert out["model.layers.0.mlp.gate_proj.weight"].dtype == torch.float8_e4m3fn
+    assert out["model.layers.0.mlp.gate_proj.weight_scale"].shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+
+
+def test_keep_bf16_layers_pass_through(state):
+    s = QurlRolloutSettings(format="int8", keep_bf16=("model.layers.1.mlp.down_proj",))
+    out = dict(WeightStreamQuantizer(s).transform(state.items()))
+    assert out["model.layers.1.mlp.down_proj.weight"].dtype == torch.float32
+    assert "model.layers.1.mlp.down_proj.weight_scale" not in out
+    assert out["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+def test_nothing_returned_aliases_the_transport_buffer(state, fmt):
+    named = list(state.items())
+    buffer, views = in_one_buffer(named)
+    out = WeightStreamQuantizer(QurlRolloutSettings(format=fmt)).transform(views)
+    buffer.fill_(0xFF)  # the next bucket lands in the same buffer
+    expected = dict(WeightStreamQuantizer(QurlRolloutSettings(format=fmt)).transform(named))
+    assert len(out) == len(expected)
+    for name, t in out:
+        assert torch.equal(t, expected[name]), name
+
+
+def test_bf16_format_quantizes_nothing(state):
+    stream = WeightStreamQuantizer(QurlRolloutSettings(format="bf16"))
+    out = stream.transform(state.items())
+    assert [n for n, _ in out] == list(state) and stream.stats.quantized == 0
+
+
+def test_already_quantized_weights_pass_unchanged(state):
+    """A trainer that quantized on its side sends codes + scales; they are loaded as they are."""
+    w = state["model.layers.0.self_attn.q_proj.weight"]
+    q = quantize(w, "int8", "channel")
+    sent = [("model.layers.0.self_attn.q_proj.weight", q.data), ("model.layers.0.self_attn.q_proj.weight_scale", q.scale)]
+    out = dict(WeightStreamQuantizer(QurlRolloutSettings(format="int8")).transform(sent))
+    assert torch.equal(out["model.layers.0.self_attn.q_proj.weight"], q.data)
+    assert torch.equal(out["model.layers.0.self_attn.q_proj.weight_scale"], q.scale)
+
+
+def test_stats_count_the_stream(state):
+    stream = WeightStreamQuantizer(QurlRolloutSettings(format="int8"))
+    items = list(state.items())
+    stream.transform(items[:10])
+    stream.transform(items[10:])
+    n_proj = sum(1 for n in state if n.endswith(".weight") and n.removesuffix(".weight").rsplit(".", 1)[-1] in PROJ)
+    assert stream.stats.tensors_in == len(state) and stream.stats.quantized == n_proj
+    assert stream.stats.bytes_in == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_nan_in_a_targeted_weight_raises_with_its_name(state):
+    bad = dict(state)
+    bad["model.layers.0.mlp.up_proj.weight"] = bad["model.layers.0.mlp.up_proj.weight"].clone()
+    bad["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.weight"):
+        WeightStreamQuantizer(QurlRolloutSettings(format="int8")).transform(bad.items())
