@@ -209,19 +209,19 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
 
 def _check_all_layers_loaded(model: torch.nn.Module, allowed_missing: torch.nn.Module | None) -> None:
-    """Every layer with parameters got all its elements; else vLLM would keep stale weights
-    (nothing loaded) or post-process uninitialized memory (partly loaded) without an error.
+    """Every layer with a ``weight`` (linears, embeddings, norms) got all its elements; else vLLM
+    would keep stale weights (nothing loaded) or post-process uninitialized memory (partly loaded)
+    without an error. Attention layers' KV-cache scales are not streamed and are not checked.
     ``allowed_missing``: the tied lm_head, whose weight a stream may send under the embedding's
     name only (then vLLM keeps the shared Parameter, updated through the embedding)."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     missing = []
     for name, layer in model.named_modules():
         info = get_layerwise_info(layer)
-        if not info.can_load() or layer is allowed_missing or is_deferred_attention_layer(layer):
+        if not info.can_load() or layer is allowed_missing or "weight" not in info.restore_metadata[0]:
             continue
-        if info.restore_metadata[0] and info.load_numel < info.load_numel_total:
+        if info.load_numel < info.load_numel_total:
             missing.append(f"{name or type(layer).__name__} ({info.load_numel}/{info.load_numel_total})")
     if missing:
         raise WeightReloadError(f"the weight stream did not cover these layers: {', '.join(missing)}")

