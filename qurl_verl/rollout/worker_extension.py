@@ -7,11 +7,11 @@ One weight sync is one pass of vLLM's layerwise-reload lifecycle
     per bucket: model.load_weights(quantize(bucket))   each layer is post-processed (int8 prepack,
                                                    transposes) as soon as all its tensors arrived
     finalize_layerwise_reload(model, model_config) once: leftovers and attention layers
-    + the CPU fixes (qurl_verl.patches.vllm_cpu_*) + checks: nothing left on meta, scales finite > 0
+    + checks: every layer fully streamed, nothing left on meta, weight scales finite and > 0
 
-On CPU three vLLM-CPU work-arounds are installed in the worker before the model loads: the oneDNN
-weight-scale keep-alive and the tied lm_head refresh (both needed by reloads), and exact INT8
-GEMMs on CPUs whose oneDNN int8 kernel saturates (no VNNI).
+On CPU, three vLLM-CPU work-arounds (``qurl_verl.patches``): before the model loads, the oneDNN
+weight-scale keep-alive (needed by every reload) and exact INT8 GEMMs on CPUs whose oneDNN int8
+kernel saturates (no VNNI); after every reload, the tied lm_head refresh.
 
 vLLM copies the processed tensors into the storage the engine already uses, so CUDA graphs and
 compiled code keep valid pointers. Between initialize and finalize the model is half on ``meta``:
