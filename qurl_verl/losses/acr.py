@@ -179,7 +179,8 @@ def _log_upper_bound(log_w: torch.Tensor, log_c: float, clip_ratio_high: float, 
 def _token_stats(log_w, log_c, log_ratio, ratio, upper, upper_of, advantages, response_mask, lower, clip_ratio_c) -> AcrStats:
     """The AcrStats values, with as few passes over the [B, T] tensors as is readable."""
     mask = response_mask.bool()
-    maskf = mask.to(log_w.dtype).reshape(-1)
+    # the trainer may hand bf16 log-probs next to fp32 weights: reduce in fp32 whatever comes in
+    maskf = mask.to(torch.float32).reshape(-1)
     count = maskf.sum().clamp_min(1.0)
     log_w_in = torch.where(mask, log_w, 0.0)  # masked-out tokens count as w = 1: no KL, not above C >= 1
     adv_in = torch.where(mask, advantages, 0.0)
@@ -194,7 +195,7 @@ def _token_stats(log_w, log_c, log_ratio, ratio, upper, upper_of, advantages, re
         upper_sum = count * upper
         upper_max = torch.full_like(count, upper)
     else:  # the bound grows with w, so its maximum sits at the largest w
-        upper_sum = torch.dot(upper.reshape(-1), maskf)
+        upper_sum = torch.dot(upper.reshape(-1).float(), maskf)
         upper_max = upper_of(log_w_max)
 
     def n(condition: torch.Tensor) -> torch.Tensor:
@@ -209,7 +210,7 @@ def _token_stats(log_w, log_c, log_ratio, ratio, upper, upper_of, advantages, re
             n((ratio > upper) & positive),
             n((ratio < lower) & negative),
             n((ratio > clip_ratio_c) & negative),
-            -torch.dot(log_ratio.detach().reshape(-1), maskf),
+            -torch.dot(log_ratio.detach().reshape(-1).float(), maskf),
         ]
     ).double() / count.double()
     k1, k3, frac_c, upper_mean, cf_up, cf_low, cf_dual, ppo_kl = sums.unbind()

@@ -3,13 +3,18 @@
 # `python -m verl.trainer.main_ppo`. Extra arguments are passed to main_ppo as Hydra overrides,
 # e.g. `recipes/tiny_cpu/run.sh trainer.total_training_steps=5`.
 #
-# Environment: OUT (default outputs/tiny_cpu) holds the model, data and metrics; STEPS (default 3).
+# Environment: OUT (default outputs/tiny_cpu) holds the model, data and metrics; STEPS (default 3);
+# PRESET (default int8: INT8 rollout + ACR + UAQ) picks `+qurl=<preset>` (bf16, naive_int8,
+# tis_int8, tis_fp8, int8, fp8); PRESET=none runs verl's stock vLLM rollout with no preset.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 py="${PYTHON:-$root/.venv/bin/python}"
 out="${OUT:-$root/outputs/tiny_cpu}"
 steps="${STEPS:-3}"
+preset="${PRESET:-int8}"
+preset_arg=()
+if [[ "$preset" == none ]]; then preset_arg=("actor_rollout_ref.rollout.name=vllm"); else preset_arg=("+qurl=$preset"); fi
 mkdir -p "$out"
 
 [[ -f "$out/model/config.json" ]] || "$py" -m qurl_verl.tiny_model --out "$out/model" >/dev/null
@@ -22,12 +27,14 @@ export VERL_FILE_LOGGER_PATH="$metrics"
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
 export TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1
+export QURL_CACHE_DIR="${QURL_CACHE_DIR:-$out/cache}"
 export RAY_DEDUP_LOGS=0
 # Ray's own dashboard/metrics agents are of no use here and cost memory on a small box.
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 
 start=$(date +%s)
 "$py" -m verl.trainer.main_ppo \
+  "${preset_arg[@]}" \
   algorithm.adv_estimator=grpo \
   data.train_files="$out/data/train.parquet" \
   data.val_files="$out/data/val.parquet" \
@@ -45,7 +52,6 @@ start=$(date +%s)
   actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
   actor_rollout_ref.actor.use_kl_loss=false \
   actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
-  actor_rollout_ref.rollout.name=${ROLLOUT:-vllm} \
   actor_rollout_ref.rollout.n=4 \
   actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
   +actor_rollout_ref.rollout.enable_sleep_mode=false \

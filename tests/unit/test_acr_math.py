@@ -244,3 +244,19 @@ def test_bad_constants_are_refused(kwargs, match):
     args = dict(is_cap=C, clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=DUAL_C) | kwargs
     with pytest.raises(ValueError, match=match):
         acr_token_loss(b.logp, b.old, b.log_w, b.adv, b.mask, **args)
+
+
+def test_bf16_log_probs_next_to_fp32_weights():
+    """verl's FSDP engine hands bf16 log-probs while the IS weights are fp32: loss and stats must run."""
+    b = make_batch(8, 32, log_w_scale=1.5, seed=3)
+    logp = b.logp.to(torch.bfloat16).requires_grad_(True)
+    loss_mat, stats = acr_token_loss(
+        logp, b.old.to(torch.bfloat16), b.log_w, b.adv, b.mask,
+        is_cap=C, clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=DUAL_C,
+    )
+    masked_sum(loss_mat, b.mask).backward()
+    assert torch.isfinite(logp.grad).all()
+    ref = reference_objective(logp.detach(), b.old.to(torch.bfloat16), b.log_w, b.adv,
+                              cap=C, eps_low=EPS_LOW, eps_high=EPS_HIGH, dual_c=DUAL_C, adaptive=True)
+    assert masked_sum(loss_mat.double(), b.mask).item() == pytest.approx(-masked_sum(ref, b.mask).item(), rel=2e-2)
+    assert all(math.isfinite(v) for v in stats.as_dict().values())
