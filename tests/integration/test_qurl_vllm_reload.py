@@ -77,6 +77,14 @@ def test_int8_engine_tracks_the_w8a8_reference_over_syncs(int8_engine, tiny_mode
         previous = {k: v.clone() for k, v in trainer.master.items()}
         report.append(row)
 
+    # verl samples at rollout.temperature and logs the sampling distribution's log-probs
+    # (processed_logprobs): those of the 8-bit model's logits / T, the same T its FSDP recompute uses.
+    seqs, got = engine_logprobs(int8_engine, prompts, temperature=0.6)
+    model = reference_model(tiny_model_dir, trainer.master, INT8, torch.float32)
+    at_t = summary(abs_diffs(got, reference_logprobs(model, seqs, temperature=0.6, generated=[len(g) for g in got])))
+    print("temperature 0.6:", at_t)
+    assert at_t["median"] <= 1e-5 and at_t["max"] <= 0.1, at_t
+
     rss = [r["stats"]["rss_mb"] for r in report]
     print("\nint8 syncs:", *report, f"worker RSS MB: {rss}", sep="\n")
     assert max(rss[1:]) - rss[1] < 64, rss  # after the first sync's one-off allocations: flat

@@ -163,13 +163,14 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
     return [tok(p)["input_ids"] for p in PROMPTS]
 
 
-def engine_logprobs(llm, prompts: list[list[int]], max_tokens: int = 16):
-    """Sampled continuations (temperature 1, fixed seeds) with the engine's per-token log-probs,
-    as verl requests them (``logprobs=0``), plus the prompt tokens' log-probs."""
+def engine_logprobs(llm, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 1.0):
+    """Sampled continuations (fixed seeds) with the engine's per-token log-probs, as verl requests
+    them (``logprobs=0``; ``logprobs_mode=processed_logprobs``: after temperature), plus the prompt
+    tokens' log-probs (computed from the raw logits)."""
     from vllm import SamplingParams
 
     params = [
-        SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=100 + i, logprobs=0, prompt_logprobs=0,
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=100 + i, logprobs=0, prompt_logprobs=0,
                        ignore_eos=True)
         for i in range(len(prompts))
     ]
@@ -181,7 +182,7 @@ def engine_logprobs(llm, prompts: list[list[int]], max_tokens: int = 16):
         prompt_lp = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
         gen_lp = [d[t].logprob for d, t in zip(gen.logprobs, gen.token_ids)]
         seqs.append(seq)
-        lps.append(torch.tensor(prompt_lp + gen_lp, dtype=torch.float64))
+        lps.append(torch.tensor(gen_lp if temperature != 1.0 else prompt_lp + gen_lp, dtype=torch.float64))
     return seqs, lps
 
 
@@ -204,13 +205,15 @@ def reference_model(model_dir: Path, master: dict[str, torch.Tensor], settings, 
 
 
 @torch.no_grad()
-def reference_logprobs(model, seqs: list[list[int]]) -> list[torch.Tensor]:
-    """log p(token_t | tokens_<t) for t >= 1 of each sequence, from the logits in float32."""
+def reference_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, generated: list[int] | None = None):
+    """log softmax(logits / T)[token_t] for t >= 1 of each sequence, in float32; only the last
+    ``generated[i]`` tokens of sequence i when given."""
     out = []
-    for seq in seqs:
+    for i, seq in enumerate(seqs):
         ids = torch.tensor([seq])
-        logits = model(ids).logits[0, :-1].float()
-        out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].double())
+        logits = model(ids).logits[0, :-1].float() / temperature
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].double()
+        out.append(lp[-generated[i]:] if generated else lp)
     return out
 
 
