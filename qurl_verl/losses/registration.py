@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
+from qurl_verl import step_metrics
 from qurl_verl.losses.acr import acr_token_loss, log_weight_from_is_weights
 
 METRIC_PREFIX = "actor/qurl/"
@@ -76,6 +77,7 @@ def _policy_loss(
     metrics["actor/pg_clipfrac"] = values["clipfrac_upper"] + values["clipfrac_lower"]
     metrics["actor/pg_clipfrac_lower"] = values["clipfrac_dual"]
     metrics["actor/ppo_kl"] = values["ppo_kl"]
+    metrics.update(step_metrics.current())
     return pg_loss, metrics
 
 
@@ -105,7 +107,27 @@ def qurl_tis_policy_loss(
     return _policy_loss(False, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
 
 
+def qurl_vanilla_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Any = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's own vanilla PPO loss, unchanged, plus the rollout-sync metrics (bf16 / naive presets)."""
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+    pg_loss, metrics = compute_policy_loss_vanilla(
+        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights,
+    )
+    return pg_loss, {**metrics, **step_metrics.current()}
+
+
 def register() -> None:
-    """Register `qurl_acr` and `qurl_tis` in verl's policy-loss registry (idempotent)."""
+    """Register `qurl_acr`, `qurl_tis` and `qurl_vanilla` in verl's policy-loss registry (idempotent)."""
     register_policy_loss("qurl_acr")(qurl_acr_policy_loss)
     register_policy_loss("qurl_tis")(qurl_tis_policy_loss)
+    register_policy_loss("qurl_vanilla")(qurl_vanilla_policy_loss)

@@ -260,3 +260,30 @@ def test_plain_policy_loss_config_is_a_clear_error(composed):
     td, flat, _, _ = make_engine_batch(14, dp_size=1, extra_tokens=0, extra_seqs=0)
     with pytest.raises(ValueError, match="_target_=qurl_verl.losses.config.QurlPolicyLossConfig"):
         ppo_loss(config, {"log_probs": flat}, td)
+
+
+def test_vanilla_variant_equals_verls_vanilla_and_carries_step_metrics(composed):
+    """`qurl_vanilla` (bf16 / naive presets) is verl's loss bit for bit, plus the published sync metrics."""
+    from qurl_verl import step_metrics
+
+    step_metrics.clear()
+    step_metrics.publish({"qurl/sync/total_s": 0.25, "qurl/update/changed_code_frac": 0.125})
+    try:
+        results = {}
+        for mode in ("vanilla", "qurl_vanilla"):
+            td, flat, _, _ = make_engine_batch(11, dp_size=1, extra_tokens=0, extra_seqs=0)
+            flat.requires_grad_(True)
+            loss, metrics = ppo_loss(actor_config(composed, mode, "token-mean"), {"log_probs": flat}, td)
+            loss.backward()
+            results[mode] = (loss.detach(), flat.grad.clone(), {k: m.aggregate() for k, m in metrics.items()})
+        assert torch.equal(results["vanilla"][0], results["qurl_vanilla"][0])
+        assert torch.equal(results["vanilla"][1], results["qurl_vanilla"][1])
+        qm = results["qurl_vanilla"][2]
+        assert qm["qurl/sync/total_s"] == pytest.approx(0.25) and qm["qurl/update/changed_code_frac"] == pytest.approx(0.125)
+        assert "qurl/sync/total_s" not in results["vanilla"][2]
+        # the ACR loss carries them too
+        td, flat, _, _ = make_engine_batch(11, dp_size=1, extra_tokens=0, extra_seqs=0)
+        _, acr_metrics = ppo_loss(actor_config(composed, "qurl_acr", "token-mean"), {"log_probs": flat}, td)
+        assert acr_metrics["qurl/sync/total_s"].aggregate() == pytest.approx(0.25)
+    finally:
+        step_metrics.clear()
