@@ -40,3 +40,23 @@ def test_bad_model_path_fails_in_the_driver_with_one_message(tmp_path):
     err = proc.stdout + proc.stderr
     assert f"actor_rollout_ref.model.path={tmp_path}/missing does not exist" in err
     assert "ray init kwargs" not in err  # failed before Ray started
+
+
+@pytest.mark.e2e
+def test_int8_rollout_with_acr_and_uaq(tmp_path):
+    """The README's demo: `+qurl=int8` (INT8 W8A8 rollout re-quantized every step, ACR loss, UAQ)."""
+    proc, rows = run_recipe(tmp_path, 3, preset="int8")
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    assert len(rows) == 3
+    log = proc.stdout + proc.stderr
+    assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in log
+    for r in rows:
+        assert r["actor/grad_norm"] > 0
+        # the mismatch between the INT8 behaviour policy and the bf16 proximal policy is measured and small
+        assert 0 <= r["actor/qurl/kl_behav_prox_k3"] < 0.05
+        assert 1.0 <= r["actor/qurl/w_max"] < 2.0
+        # every step re-quantizes and reloads the engine, and says what it cost and what changed
+        assert r["qurl/sync/total_s"] > 0 and r["qurl/sync/quantized"] > 0
+        assert 0.0 <= r["qurl/update/changed_code_frac"] <= 1.0
+    # after an optimizer step at lr 1e-3 some INT8 codes must move (the weight-update problem, measured)
+    assert rows[-1]["qurl/update/changed_code_frac"] > 0
