@@ -12,10 +12,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_peaked_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def engine_environment():
     """Engine env vars, and verl's CPU platform in this process (the weight sender asks it to
-    synchronize), for this module only: other test modules see the process as it was."""
+    synchronize), for the requesting module only: other modules see the process as it was."""
     from verl.plugin.platform import platform_manager
 
     from qurl_verl.platform.cpu import PlatformCPU

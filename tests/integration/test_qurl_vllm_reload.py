@@ -36,7 +36,7 @@ from vllm_reload_harness import (
 
 from qurl_verl.rollout.settings import QurlRolloutSettings
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
 
 INT8 = QurlRolloutSettings(format="int8")
 UNQUANTIZED = QurlRolloutSettings(format="bf16")  # "no quantization", whatever the engine dtype
@@ -44,7 +44,7 @@ SYNCS = 5
 
 
 @pytest.fixture(scope="module")
-def int8_engine(tiny_model_dir):
+def int8_engine(tiny_model_dir, engine_environment):
     require_vllm()
     llm = start_engine(tiny_model_dir, INT8, dtype="float32")
     yield llm

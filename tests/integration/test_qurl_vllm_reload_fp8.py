@@ -25,7 +25,7 @@ from vllm_reload_harness import (
 
 from qurl_verl.rollout.settings import QurlRolloutSettings
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
 
 FP8 = QurlRolloutSettings(format="fp8")
 UNQUANTIZED = QurlRolloutSettings(format="bf16")

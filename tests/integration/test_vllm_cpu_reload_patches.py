@@ -33,7 +33,7 @@ from vllm_reload_harness import (
 
 from qurl_verl.rollout.settings import QurlRolloutSettings
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
 
 INT8 = QurlRolloutSettings(format="int8")
 PARAM_NAMES = ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"]
