@@ -1,9 +1,13 @@
-"""Trainer-side client of the `qurl_vllm` engine: verl's vLLM ``ServerAdapter`` plus sync timings.
+"""Trainer-side client of the `qurl_vllm` engine: verl's vLLM ``ServerAdapter`` plus sync metrics.
 
 The trainer streams full fp32/bf16 tensors exactly as for ``rollout.name=vllm``; the engine
-quantizes them (see ``weight_stream``). This subclass only keeps what the engine reports about
-each sync (quantize / load / total seconds, bytes) in ``last_sync_stats`` and ``sync_metrics()``,
-and refuses the delta wire format, which only patches changed bf16 values in place.
+quantizes them (see ``weight_stream``). This subclass only
+* asks the engine to track the code-change rate (``custom.qurl.code_change_row_stride``);
+* keeps what the engine reports about each sync in ``last_sync_stats`` and publishes it through
+  ``qurl_verl.step_metrics`` (the qurl losses log it): ``qurl/sync/*`` (quantize / load / total
+  seconds, bytes, worker RSS) and ``qurl/update/changed_code_frac`` and
+  ``qurl/update/update_to_error_ratio`` (from the second sync on);
+* refuses the delta wire format, which only patches changed bf16 values in place.
 """
 from __future__ import annotations
 
@@ -11,7 +15,12 @@ import logging
 
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
+from qurl_verl import step_metrics
+from qurl_verl.rollout.settings import QurlRolloutSettings
+
 logger = logging.getLogger("qurl_verl")
+
+UPDATE_KEYS = ("changed_code_frac", "update_to_error_ratio")
 
 
 class QurlServerAdapter(ServerAdapter):
@@ -31,13 +40,29 @@ class QurlServerAdapter(ServerAdapter):
                 "(checkpoint_engine.backend=delta_sharded) is not supported"
             )
         self._sync_future = None
-        await super().update_weights(weights, global_steps=global_steps, wire_format=wire_format, **kwargs)
+        stride = QurlRolloutSettings.from_rollout_config(self.config).code_change_row_stride
+        await super().update_weights(
+            weights, global_steps=global_steps, wire_format=wire_format, code_change_row_stride=stride, **kwargs
+        )
         if self._sync_future is not None:
             per_worker = await self._sync_future
             self.last_sync_stats = next((s for s in per_worker or () if s), None)
             logger.info("qurl_vllm sync (step %s): %s", global_steps, self.last_sync_stats)
+            step_metrics.publish(self.sync_metrics(), replace_prefix="qurl/sync/")
+            update = self.update_metrics()
+            if update:
+                step_metrics.publish(update, replace_prefix="qurl/update/")
 
-    def sync_metrics(self, prefix: str = "qurl/rollout_sync/") -> dict[str, float]:
-        """The last sync's worker-side costs as flat metrics (empty before the first sync)."""
+    def sync_metrics(self) -> dict[str, float]:
+        """The last sync's worker-side costs, ``qurl/sync/<field>`` (empty before the first sync)."""
         stats = self.last_sync_stats or {}
-        return {prefix + k: float(v) for k, v in stats.items() if isinstance(v, (int, float))}
+        return {
+            f"qurl/sync/{k}": float(v)
+            for k, v in stats.items()
+            if k not in UPDATE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
+
+    def update_metrics(self) -> dict[str, float]:
+        """What the last sync changed in the 8-bit codes, ``qurl/update/<field>`` (empty if untracked)."""
+        stats = self.last_sync_stats or {}
+        return {f"qurl/update/{k}": float(stats[k]) for k in UPDATE_KEYS if stats.get(k) is not None}

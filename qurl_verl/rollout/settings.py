@@ -14,6 +14,10 @@ The user picks the rollout format with verl's own key, which accepts any string:
   only has AMX kernels for it.
 * ``bf16``: no quantization, through the very same reload path: the full-precision baseline.
 
+``code_change_row_stride`` (default 8; 0 turns it off): the engine tracks, for every Nth row of
+each quantized weight, how many 8-bit codes a sync changed (QuRL's "weight update problem"), and
+reports it with the sync's cost. Memory in the vLLM worker: 1/N of the targeted weights as received.
+
 ``keep_bf16`` lists linear layers that stay in full precision, in compressed-tensors ``ignore``
 syntax (exact module name, name suffix, or ``re:<regex>``). ``lm_head`` and the embeddings are
 never quantized. Fused vLLM modules must be kept whole: keep q_proj, k_proj and v_proj of a layer
@@ -49,19 +53,27 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCaus
 
 ALWAYS_FULL_PRECISION = ("lm_head",)  # embeddings are not Linear layers, so never targeted
 
-CUSTOM_KEYS = ("keep_bf16",)
+CUSTOM_KEYS = ("keep_bf16", "code_change_row_stride")
+DEFAULT_CODE_CHANGE_ROW_STRIDE = 8
 
 
 @dataclass(frozen=True)
 class QurlRolloutSettings:
     format: str = DEFAULT_FORMAT
     keep_bf16: tuple[str, ...] = ()
+    code_change_row_stride: int = DEFAULT_CODE_CHANGE_ROW_STRIDE
 
     def __post_init__(self) -> None:
         if self.format not in ROLLOUT_FORMATS:
             raise QurlConfigError(
                 f"actor_rollout_ref.rollout.quantization={self.format!r} is not a qurl_vllm format; "
                 f"use one of {', '.join(ROLLOUT_FORMATS)} (e.g. actor_rollout_ref.rollout.quantization=int8)"
+            )
+        stride = self.code_change_row_stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
+            raise QurlConfigError(
+                f"actor_rollout_ref.rollout.custom.qurl.code_change_row_stride must be an integer >= 0 "
+                f"(0 = off), got {stride!r}"
             )
         bad = [p for p in self.keep_bf16 if not isinstance(p, str) or not p]
         if bad:
@@ -126,7 +138,8 @@ class QurlRolloutSettings:
         if isinstance(keep, str):
             keep = (keep,)
         fmt = DEFAULT_FORMAT if fmt is None else str(fmt).lower()
-        return cls(format=fmt, keep_bf16=tuple(keep))
+        stride = qurl.get("code_change_row_stride", DEFAULT_CODE_CHANGE_ROW_STRIDE)
+        return cls(format=fmt, keep_bf16=tuple(keep), code_change_row_stride=stride)
 
     @classmethod
     def from_quantization_config(cls, config: Mapping | None) -> "QurlRolloutSettings":

@@ -12,6 +12,9 @@ turns them into what vLLM's ``load_weights`` takes for a compressed-tensors W8A8
 * tensors that already arrive quantized (an 8-bit weight with its ``weight_scale``, i.e. a
   trainer that quantized on its side) are cloned unchanged.
 
+Optionally an ``UpdateVisibilityTracker`` sees every quantized weight with the codes just computed,
+so the share of codes a sync changed costs no second quantization.
+
 The numerics live in ``qurl_verl.quant``; this module only decides what goes where.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from qurl_verl.quant import QuantizedTensor, UpdateVisibilityTracker, resolve_format
 from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict
 from qurl_verl.rollout.settings import QurlRolloutSettings
 
@@ -36,6 +40,7 @@ class StreamStats:
     bytes_in: int = 0
     quantize_s: float = 0.0  # quantizing the targeted weights
     copy_s: float = 0.0  # cloning the pass-through tensors out of the transport buffer
+    code_change_s: float = 0.0  # the update-visibility tracker
 
 
 @dataclass
@@ -43,6 +48,7 @@ class WeightStreamQuantizer:
     """Turns trainer buckets into engine buckets for one rollout format."""
 
     settings: QurlRolloutSettings
+    tracker: UpdateVisibilityTracker | None = None
     stats: StreamStats = field(default_factory=StreamStats)
 
     def is_target(self, name: str, tensor: torch.Tensor) -> bool:
@@ -63,10 +69,20 @@ class WeightStreamQuantizer:
         if targets:
             s = self.settings
             out.extend(quantize_state_dict(targets, s.quant_format, s.granularity, ignore=s.ignore))
+        quantized = time.perf_counter()
+        if self.tracker is not None and targets:
+            self._observe(targets, out[len(out) - 2 * len(targets) :])
         self.stats.copy_s += copied - start
-        self.stats.quantize_s += time.perf_counter() - copied
+        self.stats.quantize_s += quantized - copied
+        self.stats.code_change_s += time.perf_counter() - quantized
         self.stats.tensors_in += len(bucket)
         self.stats.quantized += len(targets)
         self.stats.passed_through += len(bucket) - len(targets)
         self.stats.bytes_in += sum(t.numel() * t.element_size() for _, t in bucket)
         return out
+
+    def _observe(self, targets, quantized) -> None:
+        """``quantized`` is (codes, scale) per target, in order, as quantize_state_dict yields them."""
+        fmt, granularity = resolve_format(self.settings.quant_format), self.settings.granularity
+        for (name, weight), (_, codes), (_, scale) in zip(targets, quantized[0::2], quantized[1::2]):
+            self.tracker.observe(name, weight, QuantizedTensor(codes, scale, fmt, granularity))

@@ -36,6 +36,7 @@ from qurl_verl.patches import (
     vllm_cpu_onednn_scale_keepalive,
     vllm_cpu_tied_lm_head_refresh,
 )
+from qurl_verl.quant import UpdateVisibilityTracker
 from qurl_verl.rollout.settings import QurlRolloutSettings
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 
@@ -62,9 +63,14 @@ class SyncStats:
     quantized: int = 0
     bytes_in: int = 0
     rss_mb: float = 0.0  # worker resident memory after the sync, to watch for leaks
+    # QuRL's weight-update problem: share of the tracked 8-bit codes this sync changed, and
+    # ||W_new - W_prev|| / ||Q(W_prev) - W_prev|| (None on the first sync or with tracking off)
+    code_change_s: float = 0.0
+    changed_code_frac: float | None = None
+    update_to_error_ratio: float | None = None
 
-    def as_metrics(self, prefix: str = "qurl/rollout_sync/") -> dict[str, float]:
-        return {prefix + k: float(v) for k, v in asdict(self).items() if k != "format"}
+    def as_metrics(self, prefix: str = "qurl/sync/") -> dict[str, float]:
+        return {prefix + k: float(v) for k, v in asdict(self).items() if k != "format" and v is not None}
 
 
 class QurlWorkerExtension(vLLMColocateWorkerExtension):
@@ -76,6 +82,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         instance._qurl_syncs = 0
         instance._qurl_last_sync = None
         instance._qurl_broken = None
+        instance._qurl_tracker = None
         return instance
 
     @classmethod
@@ -96,8 +103,13 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
     # ------------------------------------------------------------------ verl entry point
 
-    def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
-        """verl's per-step sync (`ServerAdapter.update_weights`): receive buckets, reload, return stats."""
+    def update_weights_from_ipc(
+        self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False, code_change_row_stride: int = 0
+    ):
+        """verl's per-step sync (`ServerAdapter.update_weights`): receive buckets, reload, return stats.
+
+        ``code_change_row_stride`` (sent by QurlServerAdapter from the rollout settings): track the
+        code-change rate on every Nth row of each quantized weight; 0 = off."""
         from verl.utils.device import get_device_name
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
@@ -126,7 +138,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
                     logger.error("qurl_vllm: loading a weight bucket failed", exc_info=True)
                     errors.append(WeightReloadError(f"{type(e).__name__}: {e}"))
 
-        with self.qurl_weight_reload() as load_bucket:
+        with self.qurl_weight_reload(code_change_row_stride) as load_bucket:
             receiver.receive_weights(on_bucket_received=on_bucket_received)
             if errors:
                 raise errors[0]
@@ -141,8 +153,18 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         hf_config = self.model_runner.vllm_config.model_config.hf_config
         return QurlRolloutSettings.from_quantization_config(getattr(hf_config, "quantization_config", None))
 
+    def _code_change_tracker(self, settings: QurlRolloutSettings, row_stride: int) -> UpdateVisibilityTracker | None:
+        """One tracker across syncs (it holds the previous sync's sampled weights and codes)."""
+        if not settings.quantized or row_stride <= 0:
+            self._qurl_tracker = None
+        elif self._qurl_tracker is None or self._qurl_tracker.row_stride != row_stride:
+            self._qurl_tracker = UpdateVisibilityTracker(
+                settings.quant_format, settings.granularity, ignore=settings.ignore, row_stride=row_stride
+            )
+        return self._qurl_tracker
+
     @contextmanager
-    def qurl_weight_reload(self):
+    def qurl_weight_reload(self, code_change_row_stride: int = 0):
         """One sync. Yields ``load_bucket(named_tensors)``; call it once per bucket, in stream order."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -153,7 +175,8 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         model_config = self.model_runner.vllm_config.model_config
         device = self.device or torch.device("cpu")
         settings = self.qurl_settings()
-        stream = WeightStreamQuantizer(settings)
+        tracker = self._code_change_tracker(settings, code_change_row_stride)
+        stream = WeightStreamQuantizer(settings, tracker=tracker)
         stats = SyncStats(sync=self._qurl_syncs + 1, format=settings.format)
         buffer_names = {name for name, _ in model.named_buffers()}
         buffer_updates: list[tuple[str, torch.Tensor]] = []
@@ -188,8 +211,13 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
             raise WeightReloadError(f"weight sync {stats.sync} failed; the rollout engine is unusable: {e}") from e
         stats.total_s = time.perf_counter() - start
         stats.rss_mb = psutil.Process().memory_info().rss / 2**20
-        for key in ("quantize_s", "copy_s", "tensors_in", "quantized", "bytes_in"):
+        for key in ("quantize_s", "copy_s", "code_change_s", "tensors_in", "quantized", "bytes_in"):
             setattr(stats, key, getattr(stream.stats, key))
+        if tracker is not None:
+            overall = tracker.end_step()["overall"]
+            if overall["numel"]:
+                stats.changed_code_frac = overall["changed_fraction"]
+                stats.update_to_error_ratio = overall["update_to_error_ratio"]
         self._qurl_syncs += 1
         self._qurl_last_sync = stats
         logger.info("qurl_vllm weight sync %d (%s): %s", stats.sync, settings.format, stats.as_metrics(prefix=""))

@@ -34,6 +34,7 @@ from vllm_reload_harness import (
     sync_weights,
 )
 
+from qurl_verl.quant import update_visibility
 from qurl_verl.rollout.settings import QurlRolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
@@ -74,6 +75,14 @@ def test_int8_engine_tracks_the_w8a8_reference_over_syncs(int8_engine, tiny_mode
             row["vs_previous_step"] = summary(abs_diffs(got, _reference(tiny_model_dir, previous, INT8, seqs)))
             assert row["vs_previous_step"]["median"] >= 2e-2, row
         assert stats["quantized"] == 14 and stats["buckets"] >= 2, stats  # 7 projections x 2 layers
+        if previous is None:
+            assert stats["changed_code_frac"] is None, stats
+        else:  # the engine's code-change rate over every 8th row: quant's own count on those rows
+            rows = lambda w: {n: t[::8] if t.dim() == 2 else t for n, t in w.items()}  # noqa: E731
+            want = update_visibility(rows(previous), rows(trainer.master), "int8", "channel")["overall"]
+            assert stats["changed_code_frac"] == pytest.approx(want["changed_fraction"], abs=1e-9), (stats, want)
+            assert stats["update_to_error_ratio"] == pytest.approx(want["update_to_error_ratio"], rel=1e-4)
+            assert 0 < stats["changed_code_frac"] < 1
         previous = {k: v.clone() for k, v in trainer.master.items()}
         report.append(row)
 

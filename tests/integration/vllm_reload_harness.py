@@ -96,8 +96,9 @@ class TrainerWeights:
         return iter(self.master.items())
 
 
-def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB) -> list:
-    """One verl-style weight sync: verl's BucketedWeightSender here, the worker's receiver there."""
+def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row_stride: int = 8) -> list:
+    """One verl-style weight sync: verl's BucketedWeightSender here, the worker's receiver there
+    (called with the keywords QurlServerAdapter adds)."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
     handle = f"ipc:///tmp/rl-colocate-zmq-{JOB_ID}-replica-0-rank-0.sock"  # the worker's _get_zmq_handle
@@ -114,7 +115,8 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB) -> list:
     thread.start()
     rpc_error = None
     try:
-        results = llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
+        kwargs = {"use_shm": True, "code_change_row_stride": code_change_row_stride}
+        results = llm.collective_rpc("update_weights_from_ipc", kwargs=kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised once the sender is accounted for
         rpc_error = e
     thread.join(timeout=60)

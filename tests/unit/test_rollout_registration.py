@@ -77,9 +77,15 @@ def test_adapter_turns_worker_stats_into_metrics():
     pytest.importorskip("vllm", reason="needs vLLM")
     from qurl_verl.rollout.adapter import QurlServerAdapter
 
-    adapter = SimpleNamespace(last_sync_stats={"sync": 3, "format": "int8", "total_s": 0.5, "quantize_s": 0.1})
-    assert QurlServerAdapter.sync_metrics(adapter) == {
-        "qurl/rollout_sync/sync": 3.0,
-        "qurl/rollout_sync/total_s": 0.5,
-        "qurl/rollout_sync/quantize_s": 0.1,
+    first = SimpleNamespace(last_sync_stats={"sync": 1, "format": "int8", "total_s": 0.5, "quantize_s": 0.1,
+                                             "changed_code_frac": None, "update_to_error_ratio": None})
+    assert QurlServerAdapter.sync_metrics(first) == {
+        "qurl/sync/sync": 1.0, "qurl/sync/total_s": 0.5, "qurl/sync/quantize_s": 0.1,
     }
+    assert QurlServerAdapter.update_metrics(first) == {}
+    later = SimpleNamespace(last_sync_stats={"sync": 2, "total_s": 0.4, "changed_code_frac": 0.25,
+                                             "update_to_error_ratio": 0.02})
+    assert QurlServerAdapter.update_metrics(later) == {
+        "qurl/update/changed_code_frac": 0.25, "qurl/update/update_to_error_ratio": 0.02,
+    }
+    assert "qurl/sync/changed_code_frac" not in QurlServerAdapter.sync_metrics(later)

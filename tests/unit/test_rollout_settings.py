@@ -142,3 +142,14 @@ def test_per_channel_fp8_on_cpu_runs_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="qurl_verl"):
         assert validate_rollout_settings(driver_config(tmp_path, quantization="fp8")).format == "fp8"
     assert "emulated FP8" in caplog.text
+
+
+def test_code_change_tracking_defaults_on_and_can_be_turned_off():
+    assert QurlRolloutSettings.from_rollout_config(rollout_node("int8")).code_change_row_stride == 8
+    off = QurlRolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_row_stride": 0}))
+    assert off.code_change_row_stride == 0
+
+
+def test_code_change_row_stride_must_be_a_count():
+    with pytest.raises(QurlConfigError, match="code_change_row_stride must be an integer >= 0"):
+        QurlRolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_row_stride": -1}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl_verl.quant import quantize
+from qurl_verl.quant import UpdateVisibilityTracker, quantize, update_visibility
 from qurl_verl.rollout.settings import QurlRolloutSettings
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 
@@ -105,3 +105,20 @@ def test_nan_in_a_targeted_weight_raises_with_its_name(state):
     bad["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
     with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.weight"):
         WeightStreamQuantizer(QurlRolloutSettings(format="int8")).transform(bad.items())
+
+
+def test_tracker_sees_the_codes_the_engine_gets(state):
+    """Two syncs through one stream tracker: the code-change rate is quant's own count on the
+    sampled rows, computed without a second quantization."""
+    s = QurlRolloutSettings(format="int8")
+    tracker = UpdateVisibilityTracker("int8", "channel", ignore=s.ignore, row_stride=2)
+    gen = torch.Generator().manual_seed(0)
+    stepped = {k: v + 0.002 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+    WeightStreamQuantizer(s, tracker=tracker).transform(state.items())
+    assert tracker.end_step()["overall"]["numel"] == 0  # first sighting: nothing to compare
+    WeightStreamQuantizer(s, tracker=tracker).transform(stepped.items())
+    got = tracker.end_step()["overall"]
+    rows = lambda w: {n: t[::2] if t.dim() == 2 else t for n, t in w.items()}  # noqa: E731
+    want = update_visibility(rows(state), rows(stepped), "int8", "channel")["overall"]
+    assert got["changed_fraction"] == want["changed_fraction"] and 0 < got["changed_fraction"] < 1
+    assert got["update_to_error_ratio"] == pytest.approx(want["update_to_error_ratio"], rel=1e-6)
