@@ -2,11 +2,14 @@
 hooks return what verl's vLLM server passes to the engine."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
+from omegaconf import OmegaConf
 
 from qurl_verl.config import QurlConfigError
 
@@ -89,3 +92,58 @@ def test_adapter_turns_worker_stats_into_metrics():
         "qurl/update/changed_code_frac": 0.25, "qurl/update/update_to_error_ratio": 0.02,
     }
     assert "qurl/sync/changed_code_frac" not in QurlServerAdapter.sync_metrics(later)
+
+
+class _Remote:
+    """A Ray actor method stand-in: ``.remote(...)`` records the call and returns an awaitable."""
+
+    def __init__(self, result=None):
+        self.calls, self.result = [], result
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.result)
+        return future
+
+
+async def test_adapter_sync_asks_for_code_tracking_and_publishes_the_workers_stats(monkeypatch):
+    pytest.importorskip("vllm", reason="needs vLLM")
+    from verl.workers.rollout.vllm_rollout import vllm_rollout
+
+    from qurl_verl import step_metrics
+    from qurl_verl.rollout.adapter import QurlServerAdapter
+
+    sent = []
+
+    class FakeSender:  # the ZMQ transport is verl's; here only what it is handed matters
+        def __init__(self, **kwargs):
+            pass
+
+        async def async_send_weights(self, weights):
+            sent.extend(name for name, _ in weights)
+
+    monkeypatch.setattr(vllm_rollout, "BucketedWeightSender", FakeSender)
+    worker_stats = {"sync": 2, "format": "int8", "total_s": 0.3, "quantized": 14, "changed_code_frac": 0.5,
+                    "update_to_error_ratio": 0.01}
+    adapter = object.__new__(QurlServerAdapter)
+    adapter.config = OmegaConf.create({"quantization": "int8", "custom": {"qurl": {"code_change_row_stride": 4}},
+                                       "checkpoint_engine": {"update_weights_bucket_megabytes": 1}})
+    adapter._has_server, adapter.use_shm, adapter.zmq_handle = True, True, "ipc:///tmp/unused"
+    adapter.replica_rank = adapter.rollout_rank = 0
+    adapter.server_handle = SimpleNamespace(
+        collective_rpc=_Remote([worker_stats]), clear_kv_cache=_Remote(), set_global_steps=_Remote()
+    )
+    step_metrics.clear()
+    try:
+        await adapter.update_weights(iter([("model.norm.weight", torch.ones(4))]), global_steps=7,
+                                     peft_config=None, base_sync_done=True)
+        (_, rpc_kwargs), = adapter.server_handle.collective_rpc.calls
+        assert rpc_kwargs["kwargs"]["code_change_row_stride"] == 4 and rpc_kwargs["kwargs"]["use_shm"] is True
+        assert sent == ["model.norm.weight"]
+        assert adapter.server_handle.set_global_steps.calls == [((7,), {})]
+        published = step_metrics.current()
+        assert published["qurl/sync/total_s"] == 0.3 and published["qurl/sync/quantized"] == 14
+        assert published["qurl/update/changed_code_frac"] == 0.5
+    finally:
+        step_metrics.clear()
