@@ -35,7 +35,9 @@ def _register_cpu_platform():
 
     gloo_backend_dedup.apply()
     cpu_engine_lookup.apply()
-    if "vllm" in sys.modules:  # inside a vLLM worker: stock weight sync needs the weights kept
+    # Inside a vLLM worker of verl's stock rollout, its weight sync needs the weights kept; the
+    # qurl_vllm server marks its workers, whose layerwise reload re-packs them instead.
+    if "vllm" in sys.modules and os.environ.get("QURL_VLLM_LAYERWISE_RELOAD") != "1":
         from qurl_verl.patches import vllm_cpu_unquantized_gemm
 
         vllm_cpu_unquantized_gemm.apply()

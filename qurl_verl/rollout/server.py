@@ -16,12 +16,15 @@ hard-codes ``"vllm_"``, which would make ``ray.get_actor("qurl_vllm_server_0_0")
 """
 from __future__ import annotations
 
+import os
+
 import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from qurl_verl.rollout.settings import QurlRolloutSettings, check_architecture
 
 WORKER_EXTENSION = "qurl_verl.rollout.worker_extension.QurlWorkerExtension"
+RELOADING_WORKER_ENV = "QURL_VLLM_LAYERWISE_RELOAD"
 
 
 class QurlvLLMHttpServer(vLLMHttpServer):
@@ -31,6 +34,9 @@ class QurlvLLMHttpServer(vLLMHttpServer):
         return settings.engine_quantization()
 
     def _get_worker_extension_cls(self) -> str:
+        # Inherited by the engine's worker processes: the plugin then knows the layerwise reload
+        # handles vLLM-CPU's weight prepacking and skips the stock-rollout work-around for it.
+        os.environ[RELOADING_WORKER_ENV] = "1"
         return WORKER_EXTENSION
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
