@@ -56,9 +56,10 @@ def test_int8_rollout_with_acr_and_uaq(tmp_path):
         assert 0 <= r["actor/qurl/kl_behav_prox_k3"] < 0.05
         assert 1.0 <= r["actor/qurl/w_max"] < 2.0
         # every step re-quantizes and reloads the engine, and says what it cost and what changed
-        assert r["qurl/sync/total_s"] > 0 and r["qurl/sync/quantized"] > 0
-    # from the second sync on (step 1's loss sees only the initial sync) the code-change rate is logged
+        assert r["actor/qurl/sync/total_s"] > 0 and r["actor/qurl/sync/quantized"] > 0
+    # verl logs what update_actor returns under actor/; from the second sync on (step 1's loss sees
+    # only the initial sync) the code-change rate is there too
     for r in rows[1:]:
-        assert 0.0 <= r["qurl/update/changed_code_frac"] <= 1.0
+        assert 0.0 <= r["actor/qurl/update/changed_code_frac"] <= 1.0
     # after an optimizer step at lr 1e-3 some INT8 codes must move (the weight-update problem, measured)
-    assert rows[-1]["qurl/update/changed_code_frac"] > 0
+    assert rows[-1]["actor/qurl/update/changed_code_frac"] > 0
