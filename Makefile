@@ -24,7 +24,7 @@ test-e2e: venv
 	$(PY) -m pytest tests/e2e -ra
 
 bench: venv
-	$(PY) -m bench.run_all
+	bash bench/run_all.sh
 
 clean-outputs:
 	rm -rf outputs
