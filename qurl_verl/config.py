@@ -23,6 +23,18 @@ class QurlConfigError(ValueError):
     """A configuration qurl-verl cannot run, with the fix in the message."""
 
 
+DRY_RUN_ENV = "QURL_DRY_RUN"
+
+
+def dry_run() -> bool:
+    """`QURL_DRY_RUN=1`: check a config as the driver would, but touch no checkpoint and download nothing.
+
+    Set by the recipes' `--dry-run` (`qurl_verl.recipes_check`), so GPU recipes can be checked on a
+    machine that has neither the GPUs nor the checkpoints.
+    """
+    return os.environ.get(DRY_RUN_ENV, "").strip() == "1"
+
+
 def _get(cfg: Any, dotted: str, default: Any = None) -> Any:
     node = OmegaConf.select(cfg, dotted, default=default) if isinstance(cfg, DictConfig) else None
     return default if node is None else node
@@ -38,8 +50,8 @@ def check_model_path(cfg: DictConfig) -> None:
         if not (p / "config.json").exists():
             raise QurlConfigError(f"actor_rollout_ref.model.path={path} has no config.json: point it at a Hugging Face model folder")
         return
-    if looks_like_hub_id and os.environ.get("HF_HUB_OFFLINE") != "1":
-        return  # a hub id: verl resolves it
+    if looks_like_hub_id and (dry_run() or os.environ.get("HF_HUB_OFFLINE") != "1"):
+        return  # a hub id: verl resolves it (a dry run never fetches it)
     hint = " (build the embedded default with `python -m qurl_verl.tiny_model --out <dir>`)" if not looks_like_hub_id else " (HF_HUB_OFFLINE=1 forbids downloading it)"
     raise QurlConfigError(f"actor_rollout_ref.model.path={path} does not exist{hint}")
 
@@ -160,12 +172,37 @@ def prepare_config(cfg: DictConfig, log=print) -> None:
 
     scale = float(uaq.get("scale", 1.5))
     targets = list(uaq.get("targets", ("q_proj", "k_proj", "v_proj")))
+    model_path = cfg.actor_rollout_ref.model.path
+    if dry_run():
+        log(f"[qurl] dry run: would apply UAQ (s={scale:g}, {'/'.join(targets)}) to {model_path} "
+            "and point the actor at the converted copy")
+        return
     try:
-        path = ensure_uaq_checkpoint(cfg.actor_rollout_ref.model.path, scale=scale, targets=targets,
+        path = ensure_uaq_checkpoint(local_checkpoint(model_path), scale=scale, targets=targets,
                                      cache_dir=uaq.get("cache_dir"), log=log)
     except ValueError as e:  # unsupported architecture, bad targets, a scale clash: the user's to fix
         raise QurlConfigError(f"qurl.uaq: {e}") from e
     cfg.actor_rollout_ref.model.path = str(path)
+
+
+def local_checkpoint(path: str) -> Path:
+    """The checkpoint folder behind `path`; a hub id is fetched into the Hugging Face cache first.
+
+    UAQ rewrites the weights on disk, so it needs them locally; verl would download the same
+    files into the same cache anyway.
+    """
+    p = Path(os.path.expanduser(str(path)))
+    if p.exists():
+        return p
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(path), ignore_patterns=["*.bin", "*.pth", "*.pt", "*.gguf", "original/*"]))
+    except Exception as e:  # noqa: BLE001 - offline, unknown id, no access: the user's to fix
+        raise QurlConfigError(
+            f"qurl.uaq: cannot fetch actor_rollout_ref.model.path={path} to convert it ({type(e).__name__}: {e}); "
+            "download the checkpoint and pass its local folder"
+        ) from e
 
 
 def check_and_prepare(cfg: DictConfig) -> None:

@@ -1,0 +1,152 @@
+"""Every GPU recipe x preset composes into verl's config and passes main_ppo's driver checks, with no GPU
+and no download; bad presets, data paths and model paths fail with a message that says what to do."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from qurl_verl import config as qc
+from qurl_verl import recipes_check as rc
+from qurl_verl.data import math_datasets as md
+
+PRESETS = ["bf16", "fp8", "int8", "naive_int8", "tis_fp8", "tis_int8"]
+EXPECTED = {  # preset -> (rollout.quantization, loss_mode, UAQ)
+    "bf16": ("bf16", "qurl_vanilla", False),
+    "naive_int8": ("int8", "qurl_vanilla", False),
+    "tis_int8": ("int8", "qurl_tis", False),
+    "tis_fp8": ("fp8", "qurl_tis", False),
+    "int8": ("int8", "qurl_acr", True),
+    "fp8": ("fp8", "qurl_acr", True),
+}
+# the two recipes with every preset; the 32B size of the DAPO recipe with the default preset
+MATRIX = [(r, p) for r in ("deepscaler", "dapo") for p in PRESETS] + [("dapo_32b", "int8")]
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    for recipe in ("deepscaler", "dapo"):
+        md.write_recipe_data(recipe, root / f"{recipe}-shipped")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a dry run must not need the hub, even to look
+    monkeypatch.delenv(qc.DRY_RUN_ENV, raising=False)
+
+
+def test_shipped_presets_are_the_ones_checked():
+    assert rc.available_presets() == PRESETS
+
+
+@pytest.mark.parametrize("recipe,preset", MATRIX)
+def test_recipe_with_preset_passes_driver_checks(recipe, preset, data_root):
+    cfg = rc.check_recipe(recipe, preset, data_root)
+    quant, loss, uaq = EXPECTED[preset]
+    rollout, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    assert (rollout.name, rollout.quantization, actor.policy_loss.loss_mode, bool(cfg.qurl.uaq.enable)) == ("qurl_vllm", quant, loss, uaq)
+    assert actor.optim.lr == 1e-6
+    assert not cfg.actor_rollout_ref.model.path.startswith("/")  # the hub id, not converted in a dry run
+    if recipe == "deepscaler":
+        assert cfg.actor_rollout_ref.model.path == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+        assert cfg.algorithm.adv_estimator == "grpo" and not cfg.algorithm.use_kl_in_reward
+        assert (actor.use_kl_loss, actor.kl_loss_type, actor.kl_loss_coef) == (True, "low_var_kl", 0.001)
+        assert (rollout.n, rollout.temperature, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (8, 0.6, 128, 64)
+        assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (1024, 8192)
+        assert cfg.reward.custom_reward_function.path == md.RECIPES["deepscaler"].reward_function
+        assert (rollout.val_kwargs.n, rollout.val_kwargs.do_sample) == (32, True)
+    else:
+        big = recipe == "dapo_32b"
+        assert cfg.actor_rollout_ref.model.path == ("Qwen/Qwen2.5-32B" if big else "Qwen/Qwen2.5-7B")
+        assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, actor.loss_agg_mode) == (0.2, 0.28, 10.0, "token-mean")
+        assert not actor.use_kl_loss and not cfg.algorithm.use_kl_in_reward
+        assert (rollout.n, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (16, 512, 32)
+        assert cfg.reward.reward_manager.name == "dapo" and cfg.reward.custom_reward_function.path is None
+        kw = cfg.reward.reward_kwargs
+        assert dict(kw.overlong_buffer_cfg) == {"enable": True, "len": 4096, "penalty_factor": 1.0, "log": False}
+        assert kw.max_resp_len == cfg.data.max_response_length == (20480 if big else 8192)
+        assert (cfg.algorithm.filter_groups.enable, cfg.algorithm.filter_groups.metric) == (True, "acc")
+        assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == (128 if big else 64)
+        assert rollout.val_kwargs.n == 32
+
+
+def test_stock_rollout_and_extra_overrides(data_root):
+    cfg = rc.check_overrides(rc.recipe_overrides("deepscaler", "none", data_root / "deepscaler-shipped",
+                                                 extra=["actor_rollout_ref.rollout.n=16"]))
+    assert cfg.actor_rollout_ref.rollout.name == "vllm" and "qurl" not in cfg
+    assert cfg.actor_rollout_ref.rollout.n == 16  # arguments after the recipe's own win
+
+
+def test_run_sh_dry_run_entry_point(data_root, capsys):
+    overrides = rc.recipe_overrides("dapo", "fp8", data_root / "dapo-shipped")
+    assert rc.main(["--overrides", "--", *overrides]) == 0
+    assert "dry run ok: model=Qwen/Qwen2.5-7B rollout=qurl_vllm/fp8 loss=qurl_acr uaq=on" in capsys.readouterr().out
+
+
+def test_unknown_preset_is_named_with_the_choices(data_root):
+    with pytest.raises(rc.RecipeCheckError, match=r"unknown preset 'int4'; choose one of bf16, fp8, int8, naive_int8, tis_fp8, tis_int8"):
+        rc.check_overrides(["+qurl=int4"])
+    p = subprocess.run(["bash", "recipes/deepscaler/run.sh", "--print-overrides"], cwd=rc.REPO, capture_output=True,
+                       text=True, env={"PATH": "/usr/bin:/bin", "PRESET": "int4"})
+    assert p.returncode == 2 and "unknown PRESET=int4; choose one of: bf16 fp8 int8 naive_int8 tis_fp8 tis_int8" in p.stderr
+    p = subprocess.run(["bash", "recipes/dapo/run.sh", "--print-overrides"], cwd=rc.REPO, capture_output=True,
+                       text=True, env={"PATH": "/usr/bin:/bin", "SIZE": "70b"})
+    assert p.returncode == 2 and "unknown SIZE=70b; choose 7b or 32b" in p.stderr
+
+
+def test_missing_data_file(tmp_path):
+    overrides = rc.recipe_overrides("deepscaler", "int8", tmp_path / "nowhere")
+    with pytest.raises(rc.RecipeCheckError, match=r"data.train_files=.*nowhere/train.parquet: no such file.*math_datasets"):
+        rc.check_overrides(overrides)
+
+
+def test_unsupported_model_paths(data_root, tmp_path):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    data = data_root / "deepscaler-shipped"
+    with pytest.raises(qc.QurlConfigError, match=r"qurl_vllm does not know how to quantize .*GPT2LMHeadModel"):
+        rc.check_overrides(rc.recipe_overrides("deepscaler", "int8", data, extra=[f"actor_rollout_ref.model.path={gpt2}"]))
+    with pytest.raises(qc.QurlConfigError, match=r"model.path=/no/such/model does not exist"):
+        rc.check_overrides(rc.recipe_overrides("deepscaler", "bf16", data, extra=["actor_rollout_ref.model.path=/no/such/model"]))
+
+
+def test_hub_id_check_relaxed_only_in_a_dry_run(monkeypatch):
+    from qurl_verl.compose import compose_ppo_config
+
+    cfg = compose_ppo_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.path=org/model"])
+    with pytest.raises(qc.QurlConfigError, match="HF_HUB_OFFLINE=1 forbids downloading it"):
+        qc.check_model_path(cfg)
+    monkeypatch.setenv(qc.DRY_RUN_ENV, "1")
+    qc.check_model_path(cfg)
+
+
+def test_dry_run_reports_uaq_without_converting(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"qurl": {"uaq": {"enable": True, "scale": 1.5, "targets": ["q_proj"], "cache_dir": str(tmp_path / "c")}},
+                            "actor_rollout_ref": {"model": {"path": "org/model"}}})
+    monkeypatch.setenv(qc.DRY_RUN_ENV, "1")
+    logs = []
+    qc.prepare_config(cfg, log=logs.append)
+    assert cfg.actor_rollout_ref.model.path == "org/model" and not (tmp_path / "c").exists()
+    assert logs == ["[qurl] dry run: would apply UAQ (s=1.5, q_proj) to org/model and point the actor at the converted copy"]
+
+
+def test_uaq_fetches_a_hub_checkpoint_before_converting(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: calls.append(repo) or str(tmp_path))
+    assert qc.local_checkpoint("org/model") == tmp_path and calls == ["org/model"]
+    assert qc.local_checkpoint(str(tmp_path)) == tmp_path and calls == ["org/model"]  # local folders are used as they are
+
+    def offline(repo, **kw):
+        raise OSError("offline")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(qc.QurlConfigError, match=r"cannot fetch actor_rollout_ref.model.path=org/model .*download the checkpoint"):
+        qc.local_checkpoint("org/model")
