@@ -12,7 +12,7 @@ demo: venv
 	STEPS=$(STEPS) bash recipes/tiny_cpu/run.sh
 
 test: venv
-	$(PY) -m pytest tests -ra
+	$(PY) -m pytest -ra
 
 test-unit: venv
 	$(PY) -m pytest tests/unit -ra

