@@ -19,6 +19,7 @@ import io
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -125,7 +126,9 @@ def check_overrides(overrides: Sequence[str]) -> DictConfig:
     preset = _preset_of(overrides)
     if preset is not None:
         check_preset(preset)
-    with dry_run_env():
+    with dry_run_env(), warnings.catch_warnings():
+        # expected for GRPO/DAPO (no critic); verl warns about it on every validation
+        warnings.filterwarnings("ignore", message="Disabled critic as algorithm.adv_estimator")
         cfg = compose_ppo_config(overrides)
         check_data_files(cfg)
         validate_like_main_ppo(cfg)
@@ -138,7 +141,7 @@ def describe(cfg: DictConfig) -> str:
     uaq = sel("qurl.uaq.enable")
     return (
         f"model={sel('actor_rollout_ref.model.path')} rollout={sel('actor_rollout_ref.rollout.name')}"
-        f"/{sel('actor_rollout_ref.rollout.quantization') or 'bf16'} "
+        f"/{sel('actor_rollout_ref.rollout.quantization') or 'unquantized'} "
         f"loss={sel('actor_rollout_ref.actor.policy_loss.loss_mode')} uaq={'on' if uaq else 'off'} "
         f"n={sel('actor_rollout_ref.rollout.n')} batch={sel('data.train_batch_size')} "
         f"response={sel('data.max_response_length')} gpus={sel('trainer.nnodes')}x{sel('trainer.n_gpus_per_node')}"

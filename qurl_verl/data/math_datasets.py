@@ -305,14 +305,14 @@ def answer_response(recipe: str, answer: str) -> str:
     return f"<think>\nLet me work through it.\n</think>\nThe final answer is $\\boxed{{{_MATH_DELIMITER.sub('', answer)}}}$."
 
 
-def perturbed_answer(answer: str, other: str) -> str:
-    """A wrong answer: an integer or decimal moved away from its value, anything else replaced by another row's answer."""
+def perturbed_answer(answer: str) -> str:
+    """A wrong answer: an integer plus one, a decimal doubled plus one, any other expression with `+1` appended."""
     if _INTEGER.fullmatch(answer):
         return str(int(answer) + 1)
     try:
         return repr(float(answer) * 2 + 1)
     except ValueError:
-        return other
+        return f"{answer}+1"
 
 
 def _score_is_correct(result) -> bool:
@@ -337,15 +337,13 @@ def reward_agreement(recipe: str, limit: int | None = None, data_dir: str | Path
         rows = to_verl_rows(records, spec, part, "check")
         stats = {"rows": len(rows), "answer_correct": 0, "perturbed_wrong": 0, "solutions": 0, "solution_correct": 0,
                  "answer_misses": [], "perturbed_hits": [], "solution_misses": []}
-        for i, (rec, row) in enumerate(zip(records, rows)):
+        for rec, row in zip(records, rows):
             gt, info = row["reward_model"]["ground_truth"], row["extra_info"]
             ok = _score_is_correct(score(part.data_source, answer_response(recipe, gt), gt, info))
             stats["answer_correct"] += ok
             if not ok:
                 stats["answer_misses"].append(gt)
-            others = [r["reward_model"]["ground_truth"] for r in rows[i + 1:] + rows[:i]]
-            other = next((o for o in others if o.replace(" ", "") != gt.replace(" ", "")), gt + "+1")
-            wrong = perturbed_answer(gt, other)
+            wrong = perturbed_answer(gt)
             bad = _score_is_correct(score(part.data_source, answer_response(recipe, wrong), gt, info))
             stats["perturbed_wrong"] += not bad
             if bad:
