@@ -17,7 +17,7 @@ Use with `reward.custom_reward_function.path=pkg://qurl_verl.rewards.boxed_math`
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 
 DATA_SOURCE_PREFIX = "deepscaler_"
@@ -34,14 +34,10 @@ def boxed_answer(response: str) -> str | None:
 def reference_answers(ground_truth: Any, extra_info: Any = None) -> list[str]:
     """The ground truth plus any other accepted forms listed in `extra_info["answers"]`."""
     answers = [str(ground_truth)]
-    extra = (extra_info or {}).get("answers") if hasattr(extra_info or {}, "get") else None
-    if extra is not None and not isinstance(extra, str):
-        answers += [str(a) for a in _as_list(extra) if str(a) not in answers]
+    extra = extra_info.get("answers") if isinstance(extra_info, Mapping) else None
+    if extra is not None and not isinstance(extra, str):  # a list, or a numpy array after parquet
+        answers += [str(a) for a in extra if str(a) not in answers]
     return answers
-
-
-def _as_list(values: Iterable) -> list:
-    return list(values.tolist() if hasattr(values, "tolist") else values)
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
@@ -51,7 +47,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
         result = default_compute_score(data_source, solution_str, ground_truth, extra_info, **kwargs)
         result = dict(result) if isinstance(result, dict) else {"score": float(result), "acc": float(result) > 0}
-        result.setdefault("pred", "")
         result["benchmark"] = str(data_source)
         return result
 

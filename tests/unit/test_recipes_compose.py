@@ -55,7 +55,7 @@ def test_recipe_with_preset_passes_driver_checks(recipe, preset, data_root):
         assert cfg.algorithm.adv_estimator == "grpo" and not cfg.algorithm.use_kl_in_reward
         assert (actor.use_kl_loss, actor.kl_loss_type, actor.kl_loss_coef) == (True, "low_var_kl", 0.001)
         assert (rollout.n, rollout.temperature, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (8, 0.6, 128, 64)
-        assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (1024, 8192)
+        assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (2048, 8192)
         assert cfg.reward.custom_reward_function.path == md.RECIPES["deepscaler"].reward_function
         assert (rollout.val_kwargs.n, rollout.val_kwargs.do_sample) == (32, True)
     else:
