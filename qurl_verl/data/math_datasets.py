@@ -349,7 +349,7 @@ def reward_agreement(recipe: str, limit: int | None = None, data_dir: str | Path
             if bad:
                 stats["perturbed_hits"].append((wrong, gt))
             solution = rec.get("solution")
-            if recipe == "deepscaler" and solution and "\\boxed" in solution:
+            if spec.prompt is deepscaler_prompt and solution and "\\boxed" in solution:
                 stats["solutions"] += 1
                 result = score(part.data_source, solution, gt, info)
                 stats["solution_correct"] += _score_is_correct(result)
