@@ -26,18 +26,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 py="${PYTHON:-$root/.venv/bin/python}"
 
-mode=run
-case "${1:-}" in
-  --dry-run) mode=dry; shift ;;
-  --print-overrides) mode=print; shift ;;
-esac
-
-preset="${PRESET:-int8}"
-if [[ "$preset" != none && ! -f "$root/hydra_configs/qurl/$preset.yaml" ]] || [[ "$preset" == _* ]]; then
-  presets=$(cd "$root/hydra_configs/qurl" && ls [!_]*.yaml | sed 's/\.yaml$//' | tr '\n' ' ')
-  echo "error: unknown PRESET=$preset; choose one of: ${presets}or none (verl's stock vLLM rollout)" >&2
-  exit 2
-fi
+source "$root/recipes/recipe_args.sh"
+set -- "${recipe_args[@]}"
 size="${SIZE:-7b}"
 case "$size" in
   7b)  model_default=Qwen/Qwen2.5-7B;  response_len=8192;  sp=4; nnodes_default=8;  train_tokens=2; infer_tokens=3; val_top_p=0.7 ;;
@@ -54,8 +44,6 @@ max_len=$((prompt_len + response_len))
 val_n="${VAL_N:-32}"
 nnodes="${NNODES:-$nnodes_default}"
 gpus="${NGPUS_PER_NODE:-8}"
-
-if [[ "$preset" == none ]]; then preset_args=(actor_rollout_ref.rollout.name=vllm); else preset_args=("+qurl=$preset"); fi
 
 args=(
   "${preset_args[@]}"

@@ -25,18 +25,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 py="${PYTHON:-$root/.venv/bin/python}"
 
-mode=run
-case "${1:-}" in
-  --dry-run) mode=dry; shift ;;
-  --print-overrides) mode=print; shift ;;
-esac
-
-preset="${PRESET:-int8}"
-if [[ "$preset" != none && ! -f "$root/hydra_configs/qurl/$preset.yaml" ]] || [[ "$preset" == _* ]]; then
-  presets=$(cd "$root/hydra_configs/qurl" && ls [!_]*.yaml | sed 's/\.yaml$//' | tr '\n' ' ')
-  echo "error: unknown PRESET=$preset; choose one of: ${presets}or none (verl's stock vLLM rollout)" >&2
-  exit 2
-fi
+source "$root/recipes/recipe_args.sh"
+set -- "${recipe_args[@]}"
 model="${MODEL_PATH:-deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B}"
 data="${DATA:-shipped}"
 data_dir="${DATA_DIR:-$root/outputs/data/deepscaler-$data}"
@@ -47,8 +37,6 @@ response_len="${RESPONSE_LENGTH:-8192}"
 val_n="${VAL_N:-32}"
 nnodes="${NNODES:-1}"
 gpus="${NGPUS_PER_NODE:-8}"
-
-if [[ "$preset" == none ]]; then preset_args=(actor_rollout_ref.rollout.name=vllm); else preset_args=("+qurl=$preset"); fi
 
 args=(
   "${preset_args[@]}"
