@@ -161,7 +161,7 @@ def run_block(model_dir: Path, trainer, fmt: str, args, prompts, fid, first: boo
         if first:
             lens = [len(p) for p in prompts[:N_FIDELITY]]
             fid["scores"][fmt] = {k: score(llm, v, lens) for k, v in fid["sets"].items()}
-        settings = [(b, args.max_tokens) for b in BATCHES] if fmt != "fp8" else []
+        settings = [(b, args.max_tokens) for b in args.batches] if fmt != "fp8" else []
         if fmt != "int8" and (fmt == "fp8" or "fp8" in args.formats):
             settings += [(b, args.short_tokens) for b in SHORT]
         for b, n in settings:
@@ -243,6 +243,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["bf16", "int8", "fp8"])
     parser.add_argument("--blocks", type=int, default=3, help="engine blocks per format (fp8: one)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--short-tokens", type=int, default=16)
     parser.add_argument("--fidelity-tokens", type=int, default=48)
