@@ -267,7 +267,7 @@ def main() -> None:
     saturates = vllm_cpu_int8_saturation.onednn_int8_saturates()
     spec = TinyModelSpec(**MODELS[args.model])
     report = {
-        "args": vars(args),
+        "args": {**vars(args), "out": os.path.relpath(args.out, REPO)},
         "machine": {"cpu_model": cpu_model, "cores": os.cpu_count(), "vllm": vllm.__version__,
                     "torch": torch.__version__, "vnni": "avx512_vnni" in flags or "avx_vnni" in flags,
                     "amx": "amx_int8" in flags, "avx512": "avx512f" in flags,
