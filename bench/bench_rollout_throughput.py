@@ -38,11 +38,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO / "bench"))
 
-MODELS = {
-    "tiny": dict(),
-    "mid": dict(hidden_size=1024, num_layers=9, num_heads=16, num_kv_heads=4, intermediate_size=2816),
-}
+from bench_models import INITS, SPECS as MODELS, build_model, param_count  # noqa: E402
 BATCHES = (1, 8, 32)
 SHORT = (1, 8)  # batch sizes of the FP8 comparison
 N_FIDELITY = 8  # prompts per fidelity set (greedy, sampled)
@@ -62,7 +60,7 @@ def chat_prompts(model_dir: Path, n: int) -> list[list[int]]:
     return out
 
 
-def start_engine(model_dir: Path, fmt: str, max_model_len: int):
+def start_engine(model_dir: Path, fmt: str, max_model_len: int, dtype: str = "bfloat16"):
     """The engine QurlvLLMHttpServer builds for ``rollout.quantization=fmt`` (dummy weights)."""
     from vllm import LLM
 
@@ -71,7 +69,7 @@ def start_engine(model_dir: Path, fmt: str, max_model_len: int):
     quantization, hf_overrides = QurlRolloutSettings(format=fmt).engine_quantization()
     return LLM(
         model=str(model_dir),
-        dtype="bfloat16",
+        dtype=dtype,
         load_format="dummy",
         quantization=quantization,
         hf_overrides=hf_overrides or None,
@@ -198,7 +196,8 @@ def markdown(report: dict) -> str:
     lines = [
         "# Rollout throughput: BF16 vs INT8 (vs FP8) on vLLM-CPU",
         "",
-        f"Model: Qwen2-shaped, random weights ({report['model']['params'] / 1e6:.1f}M parameters, "
+        f"Model: Qwen2-shaped, random weights, init {report['model'].get('init', 'gain4')} "
+        f"({report['model']['params'] / 1e6:.1f}M parameters, "
         f"{report['model']['spec']}). Engine: vllm-cpu {m['vllm']}, bf16 activations, eager, one compute core. "
         f"CPU: {m['cpu_model']} ({m['cores']} cores, VNNI: {m['vnni']}, AMX: {m['amx']}).",
         f"Sampling: temperature 1.0, fixed seeds, ignore_eos. Blocks run: {len(report['blocks'])} "
@@ -226,8 +225,32 @@ def markdown(report: dict) -> str:
         ent = next(iter(report["fidelity"].values()))["sampled"]["bf16_mean_logp"]
         lines.append(f"\nBF16 mean log p of its own samples: {ent:.2f} nats (ln vocab = "
                      f"{torch.log(torch.tensor(float(report['model']['vocab']))):.2f}).")
-    lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"] + derived_notes(report)]
     return "\n".join(lines) + "\n"
+
+
+def derived_notes(report: dict) -> list[str]:
+    """Notes that follow from the arguments and the measured figures (recomputed on every render)."""
+    a, ratios = report["args"], report["summary"]["ratios"]
+    n = report["summary"]["median"].get("int8", {})
+    out = [f"Scope: every batch decodes max_tokens={a['max_tokens']} tokens after ~{statistics.median(report['prompt_tokens']):.0f}-token "
+           f"prompts; {a['blocks']} engine blocks per format alternating ({', '.join(b['format'] for b in report['blocks'])}), "
+           f"{a['reps']} timed repeat(s) per setting per block, so each BF16/INT8 median is over "
+           f"{min((m['n'] for m in n.values()), default=0)} runs over {a['blocks']} engine(s). Reasoning rollouts run to "
+           f"thousands of tokens; {a['max_tokens']} is what fits this 2-core CPU's ~20-40 tok/s in about half an hour. "
+           "Decode cost per token grows with context, so longer outputs would weigh attention (unquantized in "
+           "both formats) a little more."]
+    b1 = next((v for k, v in ratios.items() if k.startswith("int8/bf16 b1_")), None)
+    if b1 is not None and b1 < 1:
+        out.append(f"INT8 at batch 1 runs at {b1:.2f}x BF16 here. Likely cause (not profiled): with the saturation "
+                   "split every INT8 GEMM is two oneDNN int8 GEMMs plus per-token activation quantization, a fixed "
+                   "cost that batch-1 decode cannot amortize.")
+    big = [(k, v) for k, v in ratios.items() if k.startswith("int8/") and v > 2]
+    if big:
+        out.append(f"INT8/BF16 above 2x ({', '.join(f'{k.split()[1]}: {v:.2f}x' for k, v in big)}) exceeds the "
+                   "memory-bound limit: BF16 on this AVX2 CPU (no native bf16 dot product) is compute-bound, so "
+                   "the ratio compares int8 GEMMs with emulated bf16 compute, not memory traffic.")
+    return out
 
 
 def cpu_flags() -> tuple[str, set[str]]:
@@ -240,6 +263,8 @@ def cpu_flags() -> tuple[str, set[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="mid")
+    parser.add_argument("--init", choices=INITS, default="fanin",
+                        help="weight init (bench_models); only the fidelity figures depend on it")
     parser.add_argument("--formats", nargs="+", default=["bf16", "int8", "fp8"])
     parser.add_argument("--blocks", type=int, default=3, help="engine blocks per format (fp8: one)")
     parser.add_argument("--reps", type=int, default=3)
@@ -249,7 +274,13 @@ def main() -> None:
     parser.add_argument("--fidelity-tokens", type=int, default=48)
     parser.add_argument("--budget-s", type=float, default=1800, help="no new block starts after this")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "rollout_throughput"))
+    parser.add_argument("--render", action="store_true", help="only rewrite the .md from the existing .json")
     args = parser.parse_args()
+    if args.render:
+        out = Path(args.out)
+        out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
+        print("written", out.with_suffix(".md"))
+        return
     assert args.formats[0] == "bf16", "bf16 first: it fixes the fidelity sequences"
 
     import vllm
@@ -258,14 +289,12 @@ def main() -> None:
 
     from qurl_verl.patches import vllm_cpu_int8_saturation
     from qurl_verl.platform.cpu import PlatformCPU
-    from qurl_verl.tiny_model import TinyModelSpec
 
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()
     start = time.perf_counter()
     cpu_model, flags = cpu_flags()
     saturates = vllm_cpu_int8_saturation.onednn_int8_saturates()
-    spec = TinyModelSpec(**MODELS[args.model])
     report = {
         "args": {**vars(args), "out": os.path.relpath(args.out, REPO)},
         "machine": {"cpu_model": cpu_model, "cores": os.cpu_count(), "vllm": vllm.__version__,
@@ -279,26 +308,26 @@ def main() -> None:
             "so INT8 should do better there than here (not measured on such a CPU in this run)." if saturates else
             "oneDNN int8 does not saturate on this CPU: INT8 GEMMs run unsplit.",
             "FP8 per-channel has no fast CPU kernel; its figures only show the path works, at short outputs.",
-            "Weights are random (scaled up so next-token distributions are not flat); speed does not depend on them.",
+            f"Weights are random, init {args.init!r} (bench/bench_models.py; see bench/results/fidelity_diagnosis.md "
+            "for why the init matters for fidelity); speed does not depend on them.",
             "k1 KL is the mean of log p_bf16 - log p_fmt over BF16-sampled tokens: an unbiased but noisy "
             "estimate (it can be negative); greedy-set deltas are a worst-case-leaning view (argmax tokens).",
         ],
     }
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = harness.build_peaked_tiny_model(Path(tmp) / args.model, spec)
+        model_dir = build_model(Path(tmp) / args.model, args.model, args.init)
         trainer = harness.TrainerWeights(model_dir)
         from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(model_dir)
-        report["model"] = {"spec": {k: v for k, v in MODELS[args.model].items()} or "tiny default",
-                           "vocab": cfg.vocab_size, "params": sum(
-            t.numel() for n, t in trainer.master.items() if not (n == "lm_head.weight" and cfg.tie_word_embeddings))}
+        report["model"] = {"spec": {k: v for k, v in MODELS[args.model].items()} or "tiny default", "init": args.init,
+                           "vocab": cfg.vocab_size, "params": param_count(trainer.master, cfg.tie_word_embeddings)}
         prompts = chat_prompts(model_dir, max(BATCHES))
         report["prompt_tokens"] = [len(p) for p in prompts]
         fid = {"sets": None, "scores": {}}
         plan = []
-        for k in range(args.blocks):
+        for k in range(args.blocks):  # FP8: one short block, in the first round so a time budget cannot drop it
             plan += [f for f in args.formats if f != "fp8" or k == 0]
         for i, fmt in enumerate(plan):
             if time.perf_counter() - start > args.budget_s:

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Every benchmark of bench/, one after the other; each writes its bench/results/*.json.
+# Every benchmark of bench/, one after the other, with the arguments the committed results were
+# produced with; each writes its bench/results/*.json (+ .md). Then the plot.
 # Run alone on the machine: they measure side by side within one run, not against other jobs.
+# About 1 h on a 2-core CPU, most of it the rollout throughput run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-.venv/bin/python}"
-for b in bench_quantize bench_acr_loss bench_quantize_side bench_rollout_throughput; do
-  echo "=== $b"
-  "$py" "bench/$b.py"
-done
+run() { echo "=== $*"; "$py" "$@"; }
+run bench/bench_quantize.py
+run bench/bench_acr_loss.py
+run bench/bench_quantize_side.py
+run bench/diagnose_fidelity.py
+run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits gain4 fanin --engine-dtypes float32 \
+  --out bench/results/fidelity_diagnosis_fp32
+run bench/bench_rollout_throughput.py --blocks 3 --reps 1 --max-tokens 128 --batches 1 8 32 --budget-s 2400
+run bench/bench_step_overheads.py
+run bench/plot_results.py
+run bench/summarize.py

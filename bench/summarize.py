@@ -1,0 +1,90 @@
+"""Targets vs measured, from the result files only: rewrites the summary block of bench/README.md.
+
+The numbers in that block are never typed by hand; rerun this after any bench. A missing or
+partial result shows as "not measured".
+
+    .venv/bin/python bench/summarize.py
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+README = REPO / "bench" / "README.md"
+START, END = "<!-- summary:start -->", "<!-- summary:end -->"
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("met" if ok else "**not met**")
+
+
+def rows() -> list[str]:
+    out = ["| target | measured | verdict |", "|---|---|---|"]
+    rt = load("rollout_throughput.json")
+    b32 = None
+    if rt:
+        ratios = rt["summary"]["ratios"]
+        key = f"int8/bf16 b32_t{rt['args']['max_tokens']}"
+        b32 = ratios.get(key)
+        others = ", ".join(f"{k.split()[1]} {v:.2f}x" for k, v in sorted(ratios.items()) if k.startswith("int8/"))
+        fp8 = ", ".join(f"{k.split()[1]} {v:.2f}x" for k, v in sorted(ratios.items()) if k.startswith("fp8/"))
+        load_avg = ", ".join(f"{b['load_before'][0]:.1f}" for b in rt["blocks"])
+        out.append(f"| INT8/BF16 rollout throughput >= 1.4x on vLLM-CPU at batch 32 | "
+                   + (f"{b32:.2f}x at batch 32 x {rt['args']['max_tokens']} tokens ({rt['model']['params'] / 1e6:.0f}M model; "
+                      f"all INT8 ratios: {others}; FP8: {fp8 or 'not run'}; 1-min load at block starts: {load_avg})"
+                      if b32 else "-") + f" | {verdict(None if b32 is None else b32 >= 1.4)} |")
+    so = load("step_overheads.json")
+    for name, label in (("tiny", "tiny"), ("mid", "~100M")):
+        r = (so or {}).get("setups", {}).get(name)
+        if r:
+            f, s = r["fractions"], r["setup"]
+            out.append(f"| INT8 quantize + sync <= 10% of generation time per step ({label}) | "
+                       f"{100 * f['int8_sync_over_generation']:.1f}% ({r['int8']['median_sync_wall_s']:.3f} s sync vs "
+                       f"{r['int8']['median_generate_s']:.2f} s generating {s['prompts'] * s['n']} x {s['max_tokens']} tokens; "
+                       f"{100 * f['int8_sync_over_step']:.1f}% of the step) | {verdict(f['int8_sync_over_generation'] <= 0.10)} |")
+        else:
+            out.append(f"| INT8 quantize + sync <= 10% of generation time per step ({label}) | - | not measured |")
+    acr = load("acr_loss.json")
+    if acr:
+        v = acr["ratio_to_vanilla_tis_wall"]["qurl_acr"]
+        extra = ""
+        if so and so.get("setups"):
+            extra = "; ACR extra as share of step: " + ", ".join(
+                f"{n} {100 * r['fractions']['acr_minus_vanilla_over_step']:.3f}%" for n, r in so["setups"].items())
+        out.append(f"| ACR loss <= 1.2x vanilla (TIS) loss, fwd+bwd | {v:.2f}x at {acr['shape'][0]} x {acr['shape'][1]}{extra} "
+                   f"| {verdict(v <= 1.2)} |")
+    if so and so.get("uaq"):
+        u = so["uaq"]
+        parts = ", ".join(f"{k} {v.get('median_s', v.get('s')):.2f} s" for k, v in u.items())
+        out.append(f"| UAQ one-time cost (no target) | {parts} | - |")
+    fd = load("fidelity_diagnosis.json")
+    if fd and "fanin" in fd["inits"]:
+        p = fd["inits"]["fanin"]["pairs"]
+        parts = []
+        for key, label in (("vllm_int8 vs vllm_bf16", "vLLM INT8 vs BF16"), ("hf_fp8 vs hf_bf16", "torch FP8 vs BF16")):
+            if key in p:
+                parts.append(f"{label}: mean {p[key]['mean_abs_dlogp']:.4f}, max {p[key]['max_abs_dlogp']:.3f}, "
+                             f"k1 KL {p[key]['k1_kl_ref_to_x']:.1e}")
+        out.append(f"| fidelity (no target), ~100M 'fanin' model, mean/max abs dlogp (nats) | {'; '.join(parts)} | - |")
+    out.append("| `make bench` reproduces all numbers | `bench/run_all.sh` runs every script above with the "
+               "arguments of the committed results | - |")
+    return out
+
+
+def main() -> None:
+    text = README.read_text()
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    README.write_text(head + START + "\n" + "\n".join(rows()) + "\n" + END + tail)
+    print("updated", README)
+
+
+if __name__ == "__main__":
+    main()
