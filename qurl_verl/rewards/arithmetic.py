@@ -28,3 +28,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     correct = answer is not None and answer == int(ground_truth)
     shaped = 1.0 if correct else 0.5 * digit_share(solution_str)
     return {"score": shaped, "acc": float(correct), "digit_share": digit_share(solution_str)}
+
+
+def compute_exact_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
+    """Unshaped verifiable reward: 1.0 for the correct final number, else 0.0 (for SFT-warmed models)."""
+    answer = final_number(solution_str)
+    correct = float(answer is not None and answer == int(ground_truth))
+    return {"score": correct, "acc": correct}

@@ -5,7 +5,8 @@
 #
 # Environment: OUT (default outputs/tiny_cpu) holds the model, data and metrics; STEPS (default 3);
 # PRESET (default int8: INT8 rollout + ACR + UAQ) picks `+qurl=<preset>` (bf16, naive_int8,
-# tis_int8, tis_fp8, int8, fp8); PRESET=none runs verl's stock vLLM rollout with no preset.
+# tis_int8, tis_fp8, int8, fp8); PRESET=none runs verl's stock vLLM rollout with no preset;
+# MODEL_DIR / DATA_DIR (default: built under OUT) point at another model or train/val parquet pair.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -17,8 +18,10 @@ preset_arg=()
 if [[ "$preset" == none ]]; then preset_arg=("actor_rollout_ref.rollout.name=vllm"); else preset_arg=("+qurl=$preset"); fi
 mkdir -p "$out"
 
-[[ -f "$out/model/config.json" ]] || "$py" -m qurl_verl.tiny_model --out "$out/model" >/dev/null
-[[ -f "$out/data/train.parquet" ]] || "$py" -m qurl_verl.data.arithmetic --out "$out/data" >/dev/null
+model="${MODEL_DIR:-$out/model}"
+data="${DATA_DIR:-$out/data}"
+[[ -f "$model/config.json" ]] || "$py" -m qurl_verl.tiny_model --out "$model" >/dev/null
+[[ -f "$data/train.parquet" ]] || "$py" -m qurl_verl.data.arithmetic --out "$data" >/dev/null
 
 metrics="$out/metrics.jsonl"
 rm -f "$metrics"
@@ -36,13 +39,13 @@ start=$(date +%s)
 "$py" -m verl.trainer.main_ppo \
   "${preset_arg[@]}" \
   algorithm.adv_estimator=grpo \
-  data.train_files="$out/data/train.parquet" \
-  data.val_files="$out/data/val.parquet" \
+  data.train_files="$data/train.parquet" \
+  data.val_files="$data/val.parquet" \
   data.train_batch_size=4 \
   data.max_prompt_length=64 \
   data.max_response_length=16 \
   data.dataloader_num_workers=0 \
-  actor_rollout_ref.model.path="$out/model" \
+  actor_rollout_ref.model.path="$model" \
   actor_rollout_ref.model.use_remove_padding=false \
   +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.actor.strategy=fsdp2 \

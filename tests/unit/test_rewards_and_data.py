@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from qurl_verl.data.arithmetic import DATA_SOURCE, make_rows, write_parquet
 from qurl_verl.rewards.arithmetic import compute_score
@@ -41,3 +42,38 @@ def test_reward_grades_by_rule():
     assert compute_score(DATA_SOURCE, "no digits here", "19")["score"] == 0.0
     # more digits, more (partial) reward: the signal a random tiny model can climb
     assert compute_score(DATA_SOURCE, "1234", "19")["score"] > compute_score(DATA_SOURCE, "a1bc", "19")["score"]
+
+
+def test_operator_and_operand_range_options():
+    from qurl_verl.data.arithmetic import question, solve
+
+    rows = make_rows(200, seed=5, split="train", ops="+-", max_operand=20)
+    seen_ops = set()
+    for r in rows:
+        a, op, b = r["prompt"][0]["content"].removeprefix("What is ").split("?")[0].split(" ")
+        seen_ops.add(op)
+        assert 0 <= int(a) <= 20 and 0 <= int(b) <= 20
+        assert int(r["reward_model"]["ground_truth"]) == eval(f"{a}{op}{b}")  # noqa: S307
+        assert r["prompt"][0]["content"] == question(int(a), op, int(b))
+    assert seen_ops == {"+", "-"}
+    with pytest.raises(ValueError, match="unknown operator"):
+        solve(1, "/", 2)
+
+
+def test_cli_refuses_unknown_operators(tmp_path, capsys):
+    from qurl_verl.data.arithmetic import main
+
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--ops", "+/"])
+    assert "--ops must be" in capsys.readouterr().err
+    assert not (tmp_path / "train.parquet").exists()
+
+
+def test_exact_reward_has_no_shaping():
+    from qurl_verl.rewards.arithmetic import compute_exact_score
+
+    assert compute_exact_score(DATA_SOURCE, "19", "19") == {"score": 1.0, "acc": 1.0}
+    assert compute_exact_score(DATA_SOURCE, "-3", "-3")["score"] == 1.0
+    # digits that are wrong earn nothing, unlike the shaped demo reward
+    assert compute_exact_score(DATA_SOURCE, "1234", "19")["score"] == 0.0
+    assert compute_exact_score(DATA_SOURCE, "", "19")["score"] == 0.0
