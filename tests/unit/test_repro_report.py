@@ -116,3 +116,31 @@ def test_missing_variant_is_a_clear_error(tmp_path):
     _write(tmp_path, {"bf16": _rows(lambda s: 0.3)})
     with pytest.raises(FileNotFoundError, match="'int8' has no metrics"):
         build_report(tmp_path / "runs", ["bf16", "int8"], tmp_path / "out")
+
+
+def _script():
+    from pathlib import Path
+
+    return Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu" / "report" / "run.sh"
+
+
+def test_runner_refuses_unknown_variant_before_any_work(tmp_path):
+    import os
+    import subprocess
+
+    env = dict(os.environ, OUT=str(tmp_path / "out"), VARIANTS="bf16 int4")
+    p = subprocess.run(["bash", str(_script())], env=env, capture_output=True, text=True)
+    assert p.returncode != 0 and "unknown variant 'int4'" in p.stderr
+    assert not (tmp_path / "out" / "sft_model").exists()
+
+
+def test_runner_redraws_report_from_existing_runs(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    _write(tmp_path / "out", {v: _rows(lambda s: 0.3, codes=0.05, seed=i) for i, v in enumerate(VARIANTS)})
+    env = dict(os.environ, OUT=str(tmp_path / "out"), REPORT_ONLY="1", REPORT_DIR=str(tmp_path / "rep"), PYTHON=sys.executable)
+    p = subprocess.run(["bash", str(_script())], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "rep" / "reward.png").exists() and "## The paper's claims" in (tmp_path / "rep" / "results.md").read_text()

@@ -5,7 +5,9 @@
 #
 # Environment: OUT (default outputs/tiny_cpu_report) holds the model, data and per-variant runs;
 # STEPS (default 40) GRPO steps per variant; VARIANTS (default: all five, space-separated) picks a
-# subset; REPORT_ONLY=1 skips training and redraws the report from the runs already under OUT.
+# subset; LR (default 1e-4) and PROMPTS (default 8 per step, 8 samples each) set the GRPO budget;
+# REPORT_ONLY=1 skips training and redraws the report from the runs already under OUT; REPORT_DIR
+# (default: this folder) receives the figures and tables.
 # A variant whose metrics already hold STEPS steps is not rerun (delete its folder to rerun it).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -67,4 +69,6 @@ if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
   done
 fi
 # 4. plots + table
-"$py" -m qurl_verl.repro_report --runs "$out/runs" --variants $variants --sft "$out/sft_model/qurl_tiny_sft.json" --out "$here"
+# shellcheck disable=SC2086  # $variants is a list
+"$py" -m qurl_verl.repro_report --runs "$out/runs" --variants $variants --sft "$out/sft_model/qurl_tiny_sft.json" \
+  --out "${REPORT_DIR:-$here}"
