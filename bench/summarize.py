@@ -73,6 +73,21 @@ def rows() -> list[str]:
                 parts.append(f"{label}: mean {p[key]['mean_abs_dlogp']:.4f}, max {p[key]['max_abs_dlogp']:.3f}, "
                              f"k1 KL {p[key]['k1_kl_ref_to_x']:.1e}")
         out.append(f"| fidelity (no target), ~100M 'fanin' model, mean/max abs dlogp (nats) | {'; '.join(parts)} | - |")
+    f32, jit = load("fidelity_diagnosis_fp32.json"), load("fidelity_jitter.json")
+    if f32 and jit:
+        parts = []
+        for init in ("gain4", "fanin"):
+            k = f32["inits"].get(init, {}).get("pairs", {}).get("vllm_int8_fp32 vs hf_int8_fp32")
+            j = jit["inits"].get(init, {}).get("pairs", {}).get("hf_int8_fp32_eps vs hf_int8_fp32")
+            if k and j:
+                parts.append(f"{init}: vLLM INT8 vs torch W8A8 (fp32 engine) mean {k['mean_abs_dlogp']:.1e}; torch W8A8 vs "
+                             f"itself with 1e-6 norm jitter {j['mean_abs_dlogp']:.1e}")
+        gemm = jit.get("gemm_check") or []
+        if gemm:
+            parts.append("op-level vLLM INT8 linear vs exact: max rel. error "
+                         f"{max(r['max_rel_err_vs_exact'] for r in gemm):.0e}, activation codes differing: "
+                         f"{sum(r['activation_codes_differing'] for r in gemm)}")
+        out.append(f"| INT8 kernel correctness (no target; fidelity_diagnosis*.md, fidelity_jitter.md) | {'; '.join(parts)} | - |")
     out.append("| `make bench` reproduces all numbers | `bench/run_all.sh` runs every script above with the "
                "arguments of the committed results | - |")
     return out
