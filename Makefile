@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STEPS ?= 3
 
-.PHONY: venv demo test test-unit test-integration test-e2e bench clean-outputs
+.PHONY: venv demo test test-unit test-integration test-e2e bench report clean-outputs
 
 venv:
 	@bash scripts/install_cpu_stack.sh
@@ -25,6 +25,10 @@ test-e2e: venv
 
 bench: venv
 	bash bench/run_all.sh
+
+# SFT warm start + GRPO under five variants + plots and tables in recipes/tiny_cpu/report/
+report: venv
+	bash recipes/tiny_cpu/report/run.sh
 
 clean-outputs:
 	rm -rf outputs

@@ -30,6 +30,7 @@ CURVES = {
     "mismatch_kl": (("actor/qurl/kl_behav_prox_k3", "rollout_corr/k3_kl"), "KL(behav || prox), k3", True),
     "max_w": (("actor/qurl/w_max", "rollout_corr/rollout_is_max"), "max w = pi_prox / pi_behav", True),
     "changed_code_frac": (("actor/qurl/update/changed_code_frac",), "share of INT8 codes changed by the step", False),
+    "update_to_error": (("actor/qurl/update/update_to_error_ratio",), "|dW| / |Q(W) - W| per step", True),
     "clipfrac": (("actor/pg_clipfrac",), "PPO clip fraction", False),
 }
 STEP_TIME = "timing_s/step"
@@ -94,6 +95,7 @@ def summarize_run(rows: list[dict], tail: int = 10) -> dict:
     _, w = series(train, CURVES["max_w"][0])
     _, codes = series(train, CURVES["changed_code_frac"][0])
     _, clip = series(train, CURVES["clipfrac"][0])
+    _, u2e = series(train, CURVES["update_to_error"][0])
     # the first step carries start-up work (compilation, first sync), so times skip it
     timed = train[1:] or train
     step_s = [r[STEP_TIME] for r in timed if STEP_TIME in r]
@@ -114,6 +116,7 @@ def summarize_run(rows: list[dict], tail: int = 10) -> dict:
         "w_max": max(w) if w else None,
         "clipfrac_mean": statistics.fmean(clip) if clip else None,
         "changed_code_frac_mean": statistics.fmean(codes) if codes else None,
+        "update_to_error_mean": statistics.fmean(u2e) if u2e else None,
         "step_s_mean": statistics.fmean(step_s) if step_s else None,
         "gen_s_mean": statistics.fmean(gen_s) if gen_s else None,
         "sync_s_mean": statistics.fmean(sync_s) if sync_s else None,
@@ -154,8 +157,10 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
                        "verdict": "reproduced" if ratio > 2 else "not reproduced"})
     if {"int8", "int8_no_uaq"} <= s.keys() and s["int8_no_uaq"]["changed_code_frac_mean"]:
         ratio = s["int8"]["changed_code_frac_mean"] / s["int8_no_uaq"]["changed_code_frac_mean"]
+        u_uaq, u_no = s["int8"]["update_to_error_mean"], s["int8_no_uaq"]["update_to_error_mean"]
+        u2e = f"; update-to-error ratio int8 / int8_no_uaq = {u_uaq / u_no:.2f}" if u_uaq and u_no else ""
         checks.append({"claim": "UAQ makes more weight updates visible to the quantizer",
-                       "measure": f"changed-code share int8 / int8_no_uaq = {ratio:.2f}",
+                       "measure": f"changed-code share int8 / int8_no_uaq = {ratio:.2f}{u2e}",
                        "verdict": "reproduced" if ratio > 1.05 else "not reproduced"})
     if {"int8", "int8_no_uaq", "bf16"} <= s.keys():
         gap_uaq, se_uaq = _diff(s["int8"], s["bf16"])

@@ -34,6 +34,7 @@ def _rows(reward_fn, steps=30, kl=1e-4, kl_growth=1.0, codes=None, seed=0, val_e
                 data["actor/qurl/sync/total_s"] = 0.1
                 if codes is not None:
                     data["actor/qurl/update/changed_code_frac"] = codes
+                    data["actor/qurl/update/update_to_error_ratio"] = 10 * codes
         if data:
             rows.append({"step": s, "data": data})
     return rows
@@ -144,3 +145,11 @@ def test_runner_redraws_report_from_existing_runs(tmp_path):
     p = subprocess.run(["bash", str(_script())], env=env, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "rep" / "reward.png").exists() and "## The paper's claims" in (tmp_path / "rep" / "results.md").read_text()
+
+
+def test_update_to_error_ratio_enters_the_uaq_check():
+    s = {v: summarize_run(_flat(_rows(lambda s: 0.4, codes=c))) for v, c in (("int8", 0.08), ("int8_no_uaq", 0.04))}
+    assert s["int8"]["update_to_error_mean"] == pytest.approx(0.8)
+    (check,) = [c for c in claim_checks(s) if c["claim"].startswith("UAQ makes")]
+    assert "changed-code share int8 / int8_no_uaq = 2.00" in check["measure"]
+    assert "update-to-error ratio int8 / int8_no_uaq = 2.00" in check["measure"]

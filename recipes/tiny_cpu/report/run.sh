@@ -4,8 +4,9 @@
 # `python -m verl.trainer.main_ppo`, then plots and a table in this folder.
 #
 # Environment: OUT (default outputs/tiny_cpu_report) holds the model, data and per-variant runs;
-# STEPS (default 40) GRPO steps per variant; VARIANTS (default: all five, space-separated) picks a
-# subset; LR (default 1e-4) and PROMPTS (default 8 per step, 8 samples each) set the GRPO budget;
+# STEPS (default 30) GRPO steps per variant; VARIANTS (default: all five, space-separated) picks a
+# subset; LR (default 1e-4), PROMPTS (default 16 per step, 8 samples each) and N_TRAIN (default 64
+# distinct training questions) set the GRPO budget;
 # REPORT_ONLY=1 skips training and redraws the report from the runs already under OUT; REPORT_DIR
 # (default: this folder) receives the figures and tables.
 # A variant whose metrics already hold STEPS steps is not rerun (delete its folder to rerun it).
@@ -15,9 +16,10 @@ root="$(cd "$here/../../.." && pwd)"
 cd "$root"
 py="${PYTHON:-$root/.venv/bin/python}"
 out="${OUT:-$root/outputs/tiny_cpu_report}"
-steps="${STEPS:-40}"
+steps="${STEPS:-30}"
 lr="${LR:-1e-4}"
-prompts="${PROMPTS:-8}"
+prompts="${PROMPTS:-16}"
+n_train="${N_TRAIN:-64}"
 variants="${VARIANTS:-bf16 naive_int8 tis_int8 int8_no_uaq int8}"
 mkdir -p "$out/runs"
 
@@ -40,9 +42,11 @@ if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
     "$py" -m qurl_verl.tiny_model --out "$out/base_model" >/dev/null
     "$py" -m qurl_verl.tiny_sft --base "$out/base_model" --out "$out/sft_model"
   fi
-  # 2. RL prompts: the SFT's distribution (+/-, operands 0..20), seeds of the data module
-  [[ -f "$out/data/train.parquet" ]] || \
-    "$py" -m qurl_verl.data.arithmetic --out "$out/data" --ops "+-" --max-operand 20 --n-train 512 --n-val 128
+  # 2. RL prompts: the SFT's distribution (+/-, operands 0..20), seeds of the data module. A small
+  #    question set is revisited every few steps, so GRPO's gains show within a CPU budget.
+  data="$out/data_n$n_train"
+  [[ -f "$data/train.parquet" ]] || \
+    "$py" -m qurl_verl.data.arithmetic --out "$data" --ops "+-" --max-operand 20 --n-train "$n_train" --n-val 128
   # 3. one GRPO run per variant, same budget and seeds
   for v in $variants; do
     run="$out/runs/$v"
@@ -53,7 +57,7 @@ if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
     echo "[report] $v: +qurl=$preset $extra, $steps steps -> $run"
     mkdir -p "$run"
     # shellcheck disable=SC2086  # $extra is a list of Hydra overrides
-    OUT="$run" MODEL_DIR="$out/sft_model" DATA_DIR="$out/data" STEPS="$steps" PRESET="$preset" \
+    OUT="$run" MODEL_DIR="$out/sft_model" DATA_DIR="$data" STEPS="$steps" PRESET="$preset" \
       bash "$root/recipes/tiny_cpu/run.sh" $extra \
         data.train_batch_size="$prompts" \
         data.max_response_length=8 \
