@@ -2,7 +2,7 @@
 # Every benchmark of bench/, one after the other, with the arguments the committed results were
 # produced with; each writes its bench/results/*.json (+ .md). Then the plot.
 # Run alone on the machine: they measure side by side within one run, not against other jobs.
-# About 1 h on a 2-core CPU, most of it the rollout throughput run.
+# About 1.5 h on an idle 2-core CPU: the fidelity diagnoses and the rollout throughput run take most of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-.venv/bin/python}"
@@ -15,6 +15,6 @@ run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits gain4 fanin --
   --out bench/results/fidelity_diagnosis_fp32
 run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits --out bench/results/fidelity_jitter
 run bench/bench_step_overheads.py --reps 2 --no-bf16-sync
-run bench/bench_rollout_throughput.py --blocks 3 --reps 1 --max-tokens 128 --batches 1 8 32 --budget-s 1800
+run bench/bench_rollout_throughput.py --blocks 3 --reps 1 --max-tokens 64 --batches 1 8 32 --budget-s 1500
 run bench/plot_results.py
 run bench/summarize.py
