@@ -32,6 +32,8 @@ def pick(row: dict, keys: tuple[str, ...]):
 
 
 def summarize(rows: list[dict]) -> dict:
+    # validation before training logs a row of its own (step 0) with no training metric in it
+    rows = [r for r in rows if "timing_s/step" in r]
     if not rows:
         raise ValueError("no training steps were logged")
     first, last = rows[0], rows[-1]
