@@ -96,7 +96,8 @@ def summarize_run(rows: list[dict], tail: int = 10) -> dict:
     _, codes = series(train, CURVES["changed_code_frac"][0])
     _, clip = series(train, CURVES["clipfrac"][0])
     _, u2e = series(train, CURVES["update_to_error"][0])
-    # the first step carries start-up work (compilation, first sync), so times skip it
+    # the first step carries start-up work (compilation, first sync), so times skip it; medians,
+    # since a step that shares the CPU with another job can stall for many seconds
     timed = train[1:] or train
     step_s = [r[STEP_TIME] for r in timed if STEP_TIME in r]
     gen_s = [r[GEN_TIME] for r in timed if GEN_TIME in r]
@@ -117,9 +118,9 @@ def summarize_run(rows: list[dict], tail: int = 10) -> dict:
         "clipfrac_mean": statistics.fmean(clip) if clip else None,
         "changed_code_frac_mean": statistics.fmean(codes) if codes else None,
         "update_to_error_mean": statistics.fmean(u2e) if u2e else None,
-        "step_s_mean": statistics.fmean(step_s) if step_s else None,
-        "gen_s_mean": statistics.fmean(gen_s) if gen_s else None,
-        "sync_s_mean": statistics.fmean(sync_s) if sync_s else None,
+        "step_s_median": statistics.median(step_s) if step_s else None,
+        "gen_s_median": statistics.median(gen_s) if gen_s else None,
+        "sync_s_median": statistics.median(sync_s) if sync_s else None,
     }
 
 
@@ -238,9 +239,9 @@ def markdown(summaries: dict[str, dict], checks: list[dict], sft: dict | None, f
             f"{s['reward_last']:.3f} ± {s['reward_last_se']:.3f} | {_fmt(s['val_acc_start'], '.3f')} → "
             f"{_fmt(s['val_acc_end'], '.3f')} | {_fmt(s['kl_mean'], '.2e')} | {_fmt(s['w_max'], '.3f')} | "
             f"{_fmt(s['clipfrac_mean'], '.4f')} | {_fmt(s['changed_code_frac_mean'], '.3f')} | "
-            f"{_fmt(s['step_s_mean'], '.2f')} | {_fmt(s['gen_s_mean'], '.2f')} | {_fmt(s['sync_s_mean'], '.3f')} |"
+            f"{_fmt(s['step_s_median'], '.2f')} | {_fmt(s['gen_s_median'], '.2f')} | {_fmt(s['sync_s_median'], '.3f')} |"
         )
-    lines += ["", "Rewards are means over steps ± their standard error; times are means over steps 2..N.", "",
+    lines += ["", "Rewards are means over steps ± their standard error; times are medians over steps 2..N.", "",
               "## The paper's claims, checked on this run", "", "| claim | measured | verdict |", "|---|---|---|"]
     lines += [f"| {c['claim']} | {c['measure']} | {c['verdict']} |" for c in checks]
     lines += ["", "## Figures", ""] + [f"![{p.stem}]({p.name})" for p in figures]
