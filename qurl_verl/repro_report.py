@@ -22,6 +22,9 @@ VARIANT_LABELS = {
     "int8_no_uaq": "INT8 + ACR, no UAQ",
     "int8": "INT8 + ACR + UAQ (QuRL)",
 }
+# one colour per variant in every figure, whichever variants a figure has data for
+VARIANT_COLORS = {"bf16": "tab:blue", "naive_int8": "tab:orange", "tis_int8": "tab:green",
+                  "int8_no_uaq": "tab:red", "int8": "tab:purple"}
 
 # figure name -> (candidate metric keys, first present wins; y label; log y?)
 CURVES = {
@@ -194,11 +197,12 @@ def plot_curves(runs: dict[str, list[dict]], out_dir: Path) -> list[Path]:
                 continue
             drawn = True
             label = VARIANT_LABELS.get(variant, variant)
+            color = VARIANT_COLORS.get(variant)
             if name in ("reward", "clipfrac") and len(values) > SMOOTH:
-                line, = ax.plot(steps, values, alpha=0.25, lw=0.8)
-                ax.plot(steps, moving_average(values, SMOOTH), color=line.get_color(), lw=1.8, label=label)
+                ax.plot(steps, values, color=color, alpha=0.25, lw=0.8)
+                ax.plot(steps, moving_average(values, SMOOTH), color=color, lw=1.8, label=label)
             else:
-                ax.plot(steps, values, marker="o" if len(values) < 12 else None, ms=3, lw=1.5, label=label)
+                ax.plot(steps, values, color=color, marker="o" if len(values) < 12 else None, ms=3, lw=1.5, label=label)
         if not drawn:
             plt.close(fig)
             continue
