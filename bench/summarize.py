@@ -51,6 +51,20 @@ def rows() -> list[str]:
                        f"{100 * f['int8_sync_over_step']:.1f}% of the step) | {verdict(f['int8_sync_over_generation'] <= 0.10)} |")
         else:
             out.append(f"| INT8 quantize + sync <= 10% of generation time per step ({label}) | - | not measured |")
+    report = REPO / "recipes" / "tiny_cpu" / "report" / "results.json"
+    if report.exists():  # the same ratio inside verl's main_ppo loop, from `make report`'s runs
+        runs = json.loads(report.read_text())["variants"]
+        parts, ok = [], []
+        for v in ("naive_int8", "tis_int8", "int8_no_uaq", "int8"):
+            r = runs.get(v) or {}
+            if r.get("sync_s_median") and r.get("gen_s_median"):
+                frac = r["sync_s_median"] / r["gen_s_median"]
+                ok.append(frac <= 0.10)
+                parts.append(f"{v} {100 * frac:.1f}% ({r['sync_s_median']:.3f} s vs {r['gen_s_median']:.2f} s)")
+        if parts:
+            out.append("| INT8 quantize + sync <= 10% of generation time per step (tiny, inside verl main_ppo: "
+                       "recipes/tiny_cpu/report, medians of timing_s/gen and qurl/sync/total_s) | "
+                       f"{'; '.join(parts)} | {verdict(all(ok))} |")
     acr = load("acr_loss.json")
     if acr:
         v = acr["ratio_to_vanilla_tis_wall"]["qurl_acr"]
