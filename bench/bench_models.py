@@ -36,7 +36,7 @@ def build_model(out: Path, model: str = "mid", init: str = "fanin") -> Path:
     """Write an fp32 HF folder (config, weights, tokenizer) for ``SPECS[model]`` with ``init``."""
     from transformers import AutoModelForCausalLM
 
-    from qurl_verl.tiny_model import TinyModelSpec, build_tiny_model
+    from qurl_recipes.tiny_model import TinyModelSpec, build_tiny_model
 
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")

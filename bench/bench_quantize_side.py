@@ -42,7 +42,7 @@ MODELS = {
 def build(out: Path, **spec) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from qurl_verl.tiny_model import TinyModelSpec, build_tiny_model
+    from qurl_recipes.tiny_model import TinyModelSpec, build_tiny_model
 
     build_tiny_model(out, TinyModelSpec(**spec))
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "quantize_side.json"))
     args = parser.parse_args()
-    from qurl_verl.patches import vllm_cpu_int8_saturation
+    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
 
     report = {
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

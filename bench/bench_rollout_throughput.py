@@ -295,7 +295,7 @@ def main() -> None:
     import vllm_reload_harness as harness
     from verl.plugin.platform import platform_manager
 
-    from qurl_verl.patches import vllm_cpu_int8_saturation
+    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
     from qurl_verl.platform.cpu import PlatformCPU
 
     os.environ.update(harness.engine_env())

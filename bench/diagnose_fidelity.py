@@ -108,7 +108,7 @@ def gemm_check(shapes=((80, 1024, 1024), (80, 1024, 5632), (80, 2816, 1024))) ->
     ``qurl_verl.quant``'s codes, fp32 activations, the ~100M model's shapes (M tokens, K in, N out)."""
     from vllm import _custom_ops as ops
 
-    from qurl_verl.patches.vllm_cpu_int8_saturation import split_codes
+    from qurl_verl.patches.vllm_cpu_worker.vllm_cpu_int8_saturation import split_codes
     from qurl_verl.quant import quantize
 
     g, rows = torch.Generator().manual_seed(0), []

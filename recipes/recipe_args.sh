@@ -9,8 +9,8 @@ esac
 recipe_args=("$@")
 
 preset="${PRESET:-int8}"
-if [[ "$preset" != none && ! -f "$root/hydra_configs/qurl/$preset.yaml" ]] || [[ "$preset" == _* ]]; then
-  presets=$(cd "$root/hydra_configs/qurl" && ls [!_]*.yaml | sed 's/\.yaml$//' | tr '\n' ' ')
+if [[ "$preset" != none && ! -f "$root/qurl_verl/hydra_configs/qurl/$preset.yaml" ]] || [[ "$preset" == _* ]]; then
+  presets=$(cd "$root/qurl_verl/hydra_configs/qurl" && ls [!_]*.yaml | sed 's/\.yaml$//' | tr '\n' ' ')
   echo "error: unknown PRESET=$preset; choose one of: ${presets}or none (verl's stock vLLM rollout)" >&2
   exit 2
 fi

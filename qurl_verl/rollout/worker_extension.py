@@ -31,7 +31,7 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from verl.workers.rollout.vllm_rollout.weight_update_utils import apply_buffer_updates
 
-from qurl_verl.patches import (
+from qurl_verl.patches.vllm_cpu_worker import (
     vllm_cpu_int8_saturation,
     vllm_cpu_onednn_scale_keepalive,
     vllm_cpu_tied_lm_head_refresh,

@@ -117,7 +117,7 @@ args=(
 if [[ "$mode" == print ]]; then printf '%s\0' "${args[@]}"; exit 0; fi
 
 if [[ ! -f "$data_dir/train.parquet" || ! -f "$data_dir/val.parquet" ]]; then
-  "$py" -m qurl_verl.data.math_datasets --recipe dapo --source "$data" --out "$data_dir"
+  "$py" -m qurl_recipes.data.math_datasets --recipe dapo --source "$data" --out "$data_dir"
 fi
-if [[ "$mode" == dry ]]; then exec "$py" -m qurl_verl.recipes_check --overrides -- "${args[@]}"; fi
+if [[ "$mode" == dry ]]; then exec "$py" -m qurl_recipes.recipes_check --overrides -- "${args[@]}"; fi
 exec "$py" -m verl.trainer.main_ppo "${args[@]}"

@@ -72,7 +72,7 @@ args=(
   actor_rollout_ref.rollout.val_kwargs.do_sample=true
   actor_rollout_ref.rollout.val_kwargs.temperature=0.6
   actor_rollout_ref.rollout.val_kwargs.top_p=0.95
-  reward.custom_reward_function.path=pkg://qurl_verl.rewards.boxed_math
+  reward.custom_reward_function.path=pkg://qurl_recipes.rewards.boxed_math
   reward.custom_reward_function.name=compute_score
   trainer.n_gpus_per_node=$gpus
   trainer.nnodes=$nnodes
@@ -90,7 +90,7 @@ args=(
 if [[ "$mode" == print ]]; then printf '%s\0' "${args[@]}"; exit 0; fi
 
 if [[ ! -f "$data_dir/train.parquet" || ! -f "$data_dir/val.parquet" ]]; then
-  "$py" -m qurl_verl.data.math_datasets --recipe deepscaler --source "$data" --out "$data_dir"
+  "$py" -m qurl_recipes.data.math_datasets --recipe deepscaler --source "$data" --out "$data_dir"
 fi
-if [[ "$mode" == dry ]]; then exec "$py" -m qurl_verl.recipes_check --overrides -- "${args[@]}"; fi
+if [[ "$mode" == dry ]]; then exec "$py" -m qurl_recipes.recipes_check --overrides -- "${args[@]}"; fi
 exec "$py" -m verl.trainer.main_ppo "${args[@]}"

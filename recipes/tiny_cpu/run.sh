@@ -20,8 +20,8 @@ mkdir -p "$out"
 
 model="${MODEL_DIR:-$out/model}"
 data="${DATA_DIR:-$out/data}"
-[[ -f "$model/config.json" ]] || "$py" -m qurl_verl.tiny_model --out "$model" >/dev/null
-[[ -f "$data/train.parquet" ]] || "$py" -m qurl_verl.data.arithmetic --out "$data" >/dev/null
+[[ -f "$model/config.json" ]] || "$py" -m qurl_recipes.tiny_model --out "$model" >/dev/null
+[[ -f "$data/train.parquet" ]] || "$py" -m qurl_recipes.data.arithmetic --out "$data" >/dev/null
 
 metrics="$out/metrics.jsonl"
 rm -f "$metrics"
@@ -63,7 +63,7 @@ start=$(date +%s)
   actor_rollout_ref.rollout.agent.num_workers=1 \
   algorithm.use_kl_in_reward=false \
   reward.num_workers=1 \
-  reward.custom_reward_function.path=pkg://qurl_verl.rewards.arithmetic \
+  reward.custom_reward_function.path=pkg://qurl_recipes.rewards.arithmetic \
   reward.custom_reward_function.name=compute_score \
   transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
   ray_kwargs.ray_init.num_cpus=16 \
@@ -80,4 +80,4 @@ start=$(date +%s)
   trainer.project_name=qurl_tiny_cpu \
   trainer.experiment_name=demo \
   "$@"
-"$py" -m qurl_verl.run_summary "$metrics" --wall-s $(( $(date +%s) - start ))
+"$py" -m qurl_recipes.run_summary "$metrics" --wall-s $(( $(date +%s) - start ))

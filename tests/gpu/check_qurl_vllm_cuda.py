@@ -207,7 +207,7 @@ def main() -> int:
 
     from vllm_reload_harness import build_peaked_tiny_model
 
-    from qurl_verl.tiny_model import TinyModelSpec
+    from qurl_recipes.tiny_model import TinyModelSpec
 
     reports = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,7 +6,7 @@ import io
 
 import torch
 
-from qurl_verl.patches import vllm_cpu_int8_saturation, vllm_cpu_onednn_scale_keepalive, vllm_cpu_tied_lm_head_refresh
+from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation, vllm_cpu_onednn_scale_keepalive, vllm_cpu_tied_lm_head_refresh
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 
 

@@ -59,7 +59,7 @@ def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
     require_vllm()
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
 
-    from qurl_verl.patches import vllm_cpu_int8_saturation
+    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
     from qurl_verl.quant import quantize
     from qurl_verl.quant.matmul import w8a8_linear_reference
 
@@ -84,7 +84,7 @@ def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
 
 
 def vllm_cpu_int8_saturates() -> bool:
-    from qurl_verl.patches import vllm_cpu_int8_saturation
+    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
 
     return vllm_cpu_int8_saturation.onednn_int8_saturates()
 

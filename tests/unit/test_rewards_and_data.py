@@ -4,8 +4,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from qurl_verl.data.arithmetic import DATA_SOURCE, make_rows, write_parquet
-from qurl_verl.rewards.arithmetic import compute_score
+from qurl_recipes.data.arithmetic import DATA_SOURCE, make_rows, write_parquet
+from qurl_recipes.rewards.arithmetic import compute_score
 
 
 def test_rows_are_deterministic_and_correct():
@@ -18,7 +18,7 @@ def test_rows_are_deterministic_and_correct():
 
 
 def test_parquet_loads_in_verl_rl_dataset(tmp_path):
-    from qurl_verl.tiny_model import build_tiny_model
+    from qurl_recipes.tiny_model import build_tiny_model
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
@@ -45,7 +45,7 @@ def test_reward_grades_by_rule():
 
 
 def test_operator_and_operand_range_options():
-    from qurl_verl.data.arithmetic import question, solve
+    from qurl_recipes.data.arithmetic import question, solve
 
     rows = make_rows(200, seed=5, split="train", ops="+-", max_operand=20)
     seen_ops = set()
@@ -61,7 +61,7 @@ def test_operator_and_operand_range_options():
 
 
 def test_cli_refuses_unknown_operators(tmp_path, capsys):
-    from qurl_verl.data.arithmetic import main
+    from qurl_recipes.data.arithmetic import main
 
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--ops", "+/"])
@@ -70,7 +70,7 @@ def test_cli_refuses_unknown_operators(tmp_path, capsys):
 
 
 def test_exact_reward_has_no_shaping():
-    from qurl_verl.rewards.arithmetic import compute_exact_score
+    from qurl_recipes.rewards.arithmetic import compute_exact_score
 
     assert compute_exact_score(DATA_SOURCE, "19", "19") == {"score": 1.0, "acc": 1.0}
     assert compute_exact_score(DATA_SOURCE, "-3", "-3")["score"] == 1.0

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from qurl_verl.run_summary import read_metrics, summarize
+from qurl_recipes.run_summary import read_metrics, summarize
 
 
 def test_validation_only_row_is_not_a_step(tmp_path):

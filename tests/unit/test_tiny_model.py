@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qurl_verl.tiny_model import MIN_HEAD_DIM, TinyModelSpec, build_tiny_model
+from qurl_recipes.tiny_model import MIN_HEAD_DIM, TinyModelSpec, build_tiny_model
 
 
 def _digest(folder: Path) -> dict[str, str]:

@@ -5,8 +5,8 @@ import json
 
 import torch
 
-from qurl_verl.tiny_model import build_tiny_model
-from qurl_verl.tiny_sft import SftSettings, _encode, run_sft, sampled_accuracy
+from qurl_recipes.tiny_model import build_tiny_model
+from qurl_recipes.tiny_sft import SftSettings, _encode, run_sft, sampled_accuracy
 
 
 def test_labels_cover_only_answer_and_end_of_turn(tmp_path):

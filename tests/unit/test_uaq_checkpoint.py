@@ -11,7 +11,7 @@ from qurl_verl.uaq_checkpoint import ensure_uaq_checkpoint, uaq_record_of
 
 @pytest.fixture
 def tiny(tmp_path_factory):
-    from qurl_verl.tiny_model import TinyModelSpec, build_tiny_model
+    from qurl_recipes.tiny_model import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelSpec(), dtype="float32")
 
@@ -55,7 +55,7 @@ def test_failed_conversion_leaves_no_cache_entry(tiny, tmp_path):
 
 
 def test_preset_rewrites_the_actor_path_in_the_driver(tiny, tmp_path, monkeypatch):
-    from qurl_verl.compose import compose_ppo_config
+    from qurl_recipes.compose import compose_ppo_config
     from qurl_verl.config import prepare_config
 
     monkeypatch.setenv("QURL_CACHE_DIR", str(tmp_path))

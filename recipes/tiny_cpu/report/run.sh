@@ -39,14 +39,14 @@ for v in $variants; do variant_args "$v" >/dev/null; done  # fail before any wor
 if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
   # 1. the warm-started model (cached: rebuilt only when missing)
   if [[ ! -f "$out/sft_model/qurl_tiny_sft.json" ]]; then
-    "$py" -m qurl_verl.tiny_model --out "$out/base_model" >/dev/null
-    "$py" -m qurl_verl.tiny_sft --base "$out/base_model" --out "$out/sft_model"
+    "$py" -m qurl_recipes.tiny_model --out "$out/base_model" >/dev/null
+    "$py" -m qurl_recipes.tiny_sft --base "$out/base_model" --out "$out/sft_model"
   fi
   # 2. RL prompts: the SFT's distribution (+/-, operands 0..20), seeds of the data module. A small
   #    question set is revisited every few steps, so GRPO's gains show within a CPU budget.
   data="$out/data_n$n_train"
   [[ -f "$data/train.parquet" ]] || \
-    "$py" -m qurl_verl.data.arithmetic --out "$data" --ops "+-" --max-operand 20 --n-train "$n_train" --n-val 128
+    "$py" -m qurl_recipes.data.arithmetic --out "$data" --ops "+-" --max-operand 20 --n-train "$n_train" --n-val 128
   # 3. one GRPO run per variant, same budget and seeds
   for v in $variants; do
     run="$out/runs/$v"
@@ -74,5 +74,5 @@ if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
 fi
 # 4. plots + table
 # shellcheck disable=SC2086  # $variants is a list
-"$py" -m qurl_verl.repro_report --runs "$out/runs" --variants $variants --sft "$out/sft_model/qurl_tiny_sft.json" \
+"$py" -m qurl_recipes.repro_report --runs "$out/runs" --variants $variants --sft "$out/sft_model/qurl_tiny_sft.json" \
   --out "${REPORT_DIR:-$here}"

@@ -1,11 +1,11 @@
 """Avg@k and pass@k per benchmark from scored generations, written as a markdown table.
 
-    python -m qurl_verl.evaluation outputs/deepscaler/int8/validation/100.jsonl --out results.md
+    python -m qurl_recipes.evaluation outputs/deepscaler/int8/validation/100.jsonl --out results.md
 
 Input is JSON lines, one scored sample per line, in either of two forms:
 
 * verl's validation dump (`trainer.validation_data_dir`, one `<step>.jsonl` per validation):
-  `score`, the reward's extra fields (`acc`, and `benchmark` from `qurl_verl.rewards.boxed_math`)
+  `score`, the reward's extra fields (`acc`, and `benchmark` from `qurl_recipes.rewards.boxed_math`)
   and `uid` = `<prompt uuid>_<session>_<sample>`, whose first part groups the samples of one
   problem. Rows without a benchmark field (verl's own scorers) count under `--source`.
 * plain rows `{"data_source": ..., "index": ..., "score": ...}` (or `acc` instead of `score`).

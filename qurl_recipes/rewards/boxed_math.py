@@ -8,12 +8,12 @@ scorers it does dispatch compare strings (`math_reward`) or the boxed text verba
 (`math_dapo`). This module only extracts the boxed answer (verl's `last_boxed_only_string`) and
 calls verl's grader; it grades nothing itself.
 
-Data sources written by `qurl_verl.data.math_datasets` for this recipe start with `deepscaler_`
+Data sources written by `qurl_recipes.data.math_datasets` for this recipe start with `deepscaler_`
 (one per benchmark, so verl reports validation accuracy per benchmark). Any other data source is
 passed to verl's `default_compute_score` unchanged. Unlike DeepScaleR, a missing `</think>` is not
 penalised: the chat template of R1-distilled models may already open the thought in the prompt.
 
-Use with `reward.custom_reward_function.path=pkg://qurl_verl.rewards.boxed_math`.
+Use with `reward.custom_reward_function.path=pkg://qurl_recipes.rewards.boxed_math`.
 """
 from __future__ import annotations
 
@@ -55,5 +55,5 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     pred = boxed_answer(solution_str)
     correct = pred is not None and any(grade_answer(pred, ref) for ref in reference_answers(ground_truth, extra_info))
     # `benchmark` is a string, so verl leaves it out of the metrics but writes it into the
-    # validation dump, where qurl_verl.evaluation groups samples by it.
+    # validation dump, where qurl_recipes.evaluation groups samples by it.
     return {"score": 1.0 if correct else 0.0, "acc": correct, "pred": pred or "", "benchmark": str(data_source)}

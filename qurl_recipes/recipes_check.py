@@ -1,8 +1,8 @@
 """Check the GPU recipes on any machine: compose each recipe's `main_ppo` config and run the driver's checks.
 
-    python -m qurl_verl.recipes_check                              # every recipe x every preset
-    python -m qurl_verl.recipes_check --recipe dapo_32b --preset fp8
-    python -m qurl_verl.recipes_check --overrides -- <Hydra overrides>   # what `run.sh --dry-run` runs
+    python -m qurl_recipes.recipes_check                              # every recipe x every preset
+    python -m qurl_recipes.recipes_check --recipe dapo_32b --preset fp8
+    python -m qurl_recipes.recipes_check --overrides -- <Hydra overrides>   # what `run.sh --dry-run` runs
 
 For each recipe and preset, the overrides come from the recipe's own `run.sh` (its
 `--print-overrides` mode), so what is checked is what would run. The config is composed from
@@ -40,7 +40,7 @@ class RecipeCheckError(ValueError):
 class Recipe:
     name: str
     script: str  # relative to the repository root
-    data: str  # qurl_verl.data.math_datasets recipe that writes its parquet files
+    data: str  # qurl_recipes.data.math_datasets recipe that writes its parquet files
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -107,7 +107,7 @@ def check_data_files(cfg: DictConfig) -> None:
             if path is None or not Path(os.path.expanduser(str(path))).is_file():
                 raise RecipeCheckError(
                     f"{key}={path}: no such file. The recipes write their data before starting "
-                    "(`python -m qurl_verl.data.math_datasets --recipe deepscaler|dapo --out <dir>`); "
+                    "(`python -m qurl_recipes.data.math_datasets --recipe deepscaler|dapo --out <dir>`); "
                     "point DATA_DIR or the override at that folder."
                 )
 
@@ -121,7 +121,7 @@ def _preset_of(overrides: Sequence[str]) -> str | None:
 
 def check_overrides(overrides: Sequence[str]) -> DictConfig:
     """Compose main_ppo's config from `overrides` and run its driver-side checks in dry-run mode."""
-    from qurl_verl.compose import compose_ppo_config, validate_like_main_ppo
+    from qurl_recipes.compose import compose_ppo_config, validate_like_main_ppo
 
     preset = _preset_of(overrides)
     if preset is not None:
@@ -150,7 +150,7 @@ def describe(cfg: DictConfig) -> str:
 
 def ensure_data(data: str, data_root: Path) -> Path:
     """The parquet folder run.sh would use for shipped data, written here when absent."""
-    from qurl_verl.data.math_datasets import write_recipe_data
+    from qurl_recipes.data.math_datasets import write_recipe_data
 
     folder = data_root / f"{data}-shipped"
     if not ((folder / "train.parquet").is_file() and (folder / "val.parquet").is_file()):

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qurl_verl.data.arithmetic import question, solve
+from qurl_recipes.data.arithmetic import question, solve
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def sampled_accuracy(model, tokenizer, rows: list[tuple[str, str]], samples: int
     """Share of correct sampled answers (pass@1 estimate) and of prompts with any correct sample."""
     import torch
 
-    from qurl_verl.rewards.arithmetic import final_number
+    from qurl_recipes.rewards.arithmetic import final_number
 
     torch.manual_seed(seed)
     tokenizer.padding_side = "left"
@@ -148,7 +148,7 @@ def run_sft(base_dir: str | Path, out_dir: str | Path, settings: SftSettings = S
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="SFT warm start of the tiny model on synthetic arithmetic.")
-    ap.add_argument("--base", required=True, help="HF folder of the model to start from (python -m qurl_verl.tiny_model)")
+    ap.add_argument("--base", required=True, help="HF folder of the model to start from (python -m qurl_recipes.tiny_model)")
     ap.add_argument("--out", required=True)
     for f, default in asdict(SftSettings()).items():
         ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)

