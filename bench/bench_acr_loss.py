@@ -25,7 +25,7 @@ from verl.workers.config import ActorConfig
 
 from qurl_verl.losses.acr import acr_token_loss, log_weight_from_is_weights
 from qurl_verl.losses.config import QurlPolicyLossConfig
-from qurl_verl.losses.registration import qurl_acr_policy_loss, qurl_tis_policy_loss
+from qurl_verl.losses.verl_losses import qurl_acr_policy_loss, qurl_tis_policy_loss
 
 C = 2.0
 
@@ -50,7 +50,7 @@ def make_config(loss_mode: str) -> ActorConfig:
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
         clip_ratio_c=3.0,
-        policy_loss=QurlPolicyLossConfig(loss_mode=loss_mode, acr_C=C),
+        policy_loss=QurlPolicyLossConfig(loss_mode=loss_mode, is_cap=C),
     )
     cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
     return cfg

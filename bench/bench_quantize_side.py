@@ -56,14 +56,14 @@ def bench_model(name: str, model_dir: Path, reps: int) -> dict:
 
     from qurl_verl.platform.cpu import PlatformCPU
     from qurl_verl.quant import quantize_state_dict
-    from qurl_verl.rollout.settings import QurlRolloutSettings
+    from qurl_verl.settings import RolloutSettings
 
-    settings = QurlRolloutSettings(format="int8")
+    settings = RolloutSettings(format="int8")
     trainer = harness.TrainerWeights(model_dir)
     n_params = sum(t.numel() for n, t in trainer.master.items() if n != "lm_head.weight")
 
     def trainer_quantized():
-        return list(quantize_state_dict(trainer.master.items(), "int8", "channel", ignore=settings.ignore))
+        return list(quantize_state_dict(trainer.master.items(), "int8", "channel", ignore=settings.ignore_patterns))
 
     q_times = []
     for _ in range(reps):

@@ -13,7 +13,7 @@ both on the same machine in one run:
   engine through ``prompt_logprobs``; per-token |delta log p| vs BF16, and the k1 estimate of
   KL(bf16 || quantized) on the sampled ones (unbiased only there: those tokens are drawn from BF16).
 
-Engines are built as the product builds them (``QurlRolloutSettings.engine_quantization``, the
+Engines are built as the product builds them (``RolloutSettings.engine_quantization``, the
 qurl worker extension, dummy load) and receive the model's weights through one verl-style sync, so
 the INT8 engine runs the worker's own quantization and kernels. Writes
 ``bench/results/rollout_throughput.{json,md}`` after every block, so a cut-short run still reports.
@@ -64,9 +64,9 @@ def start_engine(model_dir: Path, fmt: str, max_model_len: int, dtype: str = "bf
     """The engine QurlvLLMHttpServer builds for ``rollout.quantization=fmt`` (dummy weights)."""
     from vllm import LLM
 
-    from qurl_verl.rollout.settings import QurlRolloutSettings
+    from qurl_verl.settings import RolloutSettings
 
-    quantization, hf_overrides = QurlRolloutSettings(format=fmt).engine_quantization()
+    quantization, hf_overrides = RolloutSettings(format=fmt).engine_quantization()
     return LLM(
         model=str(model_dir),
         dtype=dtype,

@@ -116,7 +116,7 @@ def time_losses(batch: int, length: int, reps: int) -> dict:
     from bench_acr_loss import make_config, make_inputs
     from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
 
-    from qurl_verl.losses.registration import qurl_acr_policy_loss
+    from qurl_verl.losses.verl_losses import qurl_acr_policy_loss
 
     old, logp0, adv, mask, w = make_inputs(batch, length)
     cfg = make_config("qurl_acr")

@@ -58,7 +58,7 @@ def hf_models(model_dir: Path, master: dict):
     from transformers import AutoModelForCausalLM
 
     from qurl_verl.quant.linear import quantize_linear_modules_
-    from qurl_verl.rollout.settings import QurlRolloutSettings
+    from qurl_verl.settings import RolloutSettings
 
     g = torch.Generator().manual_seed(3)
     jitter = {k: 1 + EPS * torch.randn(v.shape, generator=g) for k, v in master.items() if k.endswith("norm.weight")}
@@ -73,10 +73,10 @@ def hf_models(model_dir: Path, master: dict):
                                         ("hf_fp8", "fp8", True, torch.bfloat16, False),
                                         ("hf_int8_fp32", "int8", False, torch.float32, False),
                                         ("hf_int8_fp32_eps", "int8", False, torch.float32, True)):
-        s = QurlRolloutSettings(format=fmt)
+        s = RolloutSettings(format=fmt)
         m = load(dtype, eps)
         # codes from the fp32 masters, exactly what the engine's sync quantizes
-        quantize_linear_modules_(m, s.quant_format, s.granularity, ignore=s.ignore, fake=fake)
+        quantize_linear_modules_(m, s.format.quant_format, s.format.granularity, ignore=s.ignore_patterns, fake=fake)
         for mod_name, module in m.named_modules():
             if hasattr(module, "load_weight_"):
                 module.load_weight_(master[f"{mod_name}.weight"], name=mod_name)

@@ -26,7 +26,7 @@ from typing import Iterator, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from qurl_verl.config import DRY_RUN_ENV
+from qurl_verl.settings import DRY_RUN_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 STOCK_ROLLOUT = "none"  # PRESET=none: verl's own vLLM rollout, no qurl preset

@@ -15,6 +15,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from qurl_verl.settings import MIN_CPU_HEAD_DIM as MIN_HEAD_DIM  # vLLM-CPU attention's smallest head size
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 # ChatML, as Qwen2 uses; `add_generation_prompt` opens the assistant turn.
@@ -24,8 +26,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-MIN_HEAD_DIM = 32  # vLLM-CPU attention: supported head sizes start at 32
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,27 @@
-"""verl 0.9.1 `verl.plugins` entry point: imported by every process that imports verl.
+"""verl 0.9.1 ``verl.plugins`` entry point: imported by every process that imports verl.
 
-Registrations here are cheap and lazy (no vLLM import). verl swallows plugin import errors at
-DEBUG level, so every failure is logged here at WARNING with its reason, and recorded so that a
-later lookup of a `qurl` name can say why it is missing (`qurl_verl.plugin_status()`).
+Cheap and lazy (no vLLM import). What it installs changes nothing for a run that does not use
+qurl-verl: the policy losses and the rollout backend are new names in verl's registries, the
+``cpu`` platform is registered but selected only by ``VERL_PLATFORM=cpu``, and the
+``validate_config`` hook returns at once for a config without a qurl preset, a ``qurl_*`` loss,
+the ``qurl_vllm`` rollout or the CPU platform. Patches are applied only where their condition
+holds (see ``qurl_verl.patches``).
+
+verl swallows plugin import errors at DEBUG level, so every failure is logged here at WARNING
+and recorded; the driver then says why a configured qurl name is missing
+(``qurl_verl.plugin_status()``).
 """
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import traceback
+
+from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, cpu_platform_selected
 
 logger = logging.getLogger("qurl_verl")
 
-# name -> "ok" or the error text; read by qurl_verl.plugin_status()
+# part -> "ok", "ok (detail)" or "failed: <error>"; read by qurl_verl.plugin_status()
 STATUS: dict[str, str] = {}
 
 
@@ -26,50 +34,44 @@ def _step(name: str, fn) -> None:
         logger.warning("qurl-verl: %s failed: %s: %s\n%s", name, type(e).__name__, e, traceback.format_exc(limit=3))
 
 
-def _register_cpu_platform():
-    from qurl_verl.platform import cpu  # noqa: F401 - registers PlatformCPU on import
+def _cpu_platform() -> str:
+    from qurl_verl.platform import cpu  # noqa: F401 - @PlatformRegistry.register at the class
 
-    if not cpu.cpu_platform_selected():
+    if not cpu_platform_selected():
         return "registered, not selected"
-    from qurl_verl.patches.cpu_platform import cpu_engine_lookup, gloo_backend_dedup
+    from qurl_verl.patches.cpu_platform import cpu_engine_lookup, gloo_backend_dedup, vllm_cpu_unquantized_gemm
 
     gloo_backend_dedup.apply()
     cpu_engine_lookup.apply()
-    # Inside a vLLM worker of verl's stock rollout, its weight sync needs the weights kept; the
-    # qurl_vllm server marks its workers, whose layerwise reload re-packs them instead.
-    if "vllm" in sys.modules and os.environ.get("QURL_VLLM_LAYERWISE_RELOAD") != "1":
-        from qurl_verl.patches.cpu_platform import vllm_cpu_unquantized_gemm
-
+    # verl's stock vllm rollout needs its Linear weights kept loadable; qurl_vllm's workers
+    # (marked by their server) re-pack them through the layerwise reload instead.
+    if os.environ.get(LAYERWISE_RELOAD_WORKER_ENV) != "1":
         vllm_cpu_unquantized_gemm.apply()
     return "selected"
 
 
-def _hook_config_checks():
-    from qurl_verl.config import check_and_prepare
+def _config_checks() -> None:
+    from qurl_verl.driver import on_validate_config
     from qurl_verl.patches.always import validate_config_hook
 
-    validate_config_hook.apply(check_and_prepare)
+    validate_config_hook.apply(on_validate_config)
 
 
-def _register_losses():
-    from qurl_verl.losses.registration import register
-
-    register()
+def _losses() -> None:
+    import qurl_verl.losses.verl_losses  # noqa: F401 - @register_policy_loss at each definition
 
 
-def _register_rollout():
-    from qurl_verl.rollout.registration import register
-
-    register()
+def _rollout() -> None:
+    import qurl_verl.rollout.registration  # noqa: F401 - registers the lazy qurl_vllm loaders
 
 
 def load() -> None:
     if STATUS:
         return
-    _step("cpu platform", _register_cpu_platform)
-    _step("config checks", _hook_config_checks)
-    _step("losses", _register_losses)
-    _step("rollout", _register_rollout)
+    _step("cpu platform", _cpu_platform)
+    _step("config checks", _config_checks)
+    _step("losses", _losses)
+    _step("rollout", _rollout)
     if os.environ.get("QURL_VERBOSE_PLUGIN") == "1":
         logger.warning("qurl-verl plugin loaded in pid %d: %s", os.getpid(), STATUS)
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
+from qurl_verl.settings import DEFAULT_UAQ_SCALE
 
 DEFAULT_CACHE = Path(os.environ.get("QURL_CACHE_DIR", Path.home() / ".cache" / "qurl_verl")) / "uaq"
 
@@ -39,7 +40,7 @@ def _fingerprint(model_dir: Path, scale: float, targets: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_uaq_checkpoint(model_dir: str | Path, scale: float = 1.5, targets=DEFAULT_UAQ_TARGETS,
+def ensure_uaq_checkpoint(model_dir: str | Path, scale: float = DEFAULT_UAQ_SCALE, targets=DEFAULT_UAQ_TARGETS,
                           cache_dir: str | Path | None = None, log=print) -> Path:
     """Return a checkpoint folder with UAQ applied: `model_dir` itself if it already has it, else a cached copy."""
     from qurl_verl.quant.uaq_convert import convert_checkpoint
@@ -52,6 +53,12 @@ def ensure_uaq_checkpoint(model_dir: str | Path, scale: float = 1.5, targets=DEF
             raise ValueError(
                 f"{src} already carries UAQ with scale {existing.get('scale')}, but qurl.uaq.scale={scale}: "
                 "UAQ is applied once; set qurl.uaq.scale to the checkpoint's value or qurl.uaq.enable=false"
+            )
+        have = sorted(existing.get("targets") or [])
+        if have != sorted(targets):
+            raise ValueError(
+                f"{src} already carries UAQ on {have}, but qurl.uaq.targets={sorted(targets)}: UAQ is applied "
+                "once; set qurl.uaq.targets to the checkpoint's value or qurl.uaq.enable=false"
             )
         log(f"[qurl] UAQ already applied to {src} ({existing}); using it as is")
         return src

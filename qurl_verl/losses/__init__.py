@@ -1,5 +1,6 @@
 """QuRL's policy losses: Adaptive Clipping Range (Eq. 9) and its token-level TIS baseline (Eq. 5).
 
-`acr` holds the pure-torch math; `config` the verl config subclass and the driver-side check;
-`registration.register()` puts `qurl_acr` / `qurl_tis` into verl's policy-loss registry.
+``acr``: the pure-torch math (no verl import). ``verl_losses``: ``loss_mode=qurl_acr`` /
+``qurl_tis``, registered with verl's decorator when the plugin imports the module. ``config``:
+the verl config dataclass that carries the loss settings to the workers.
 """

@@ -4,7 +4,7 @@ The trainer streams full fp32/bf16 tensors exactly as for ``rollout.name=vllm``;
 quantizes them (see ``weight_stream``). This subclass only
 * asks the engine to track the code-change rate (``custom.qurl.code_change_row_stride``);
 * keeps what the engine reports about each sync in ``last_sync_stats`` and publishes it through
-  ``qurl_verl.step_metrics`` (the qurl losses log it): ``qurl/sync/*`` (quantize / load / total
+  ``qurl_verl.patches.qurl_vllm.loss_metrics_channel`` (installed here; any policy loss logs it): ``qurl/sync/*`` (quantize / load / total
   seconds, bytes, worker RSS) and ``qurl/update/changed_code_frac`` and
   ``qurl/update/update_to_error_ratio`` (from the second sync on);
 * refuses the delta wire format, which only patches changed bf16 values in place.
@@ -15,8 +15,8 @@ import logging
 
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
-from qurl_verl import step_metrics
-from qurl_verl.rollout.settings import QurlRolloutSettings
+from qurl_verl.patches.qurl_vllm import loss_metrics_channel
+from qurl_verl.settings import RolloutSettings
 
 logger = logging.getLogger("qurl_verl")
 
@@ -26,6 +26,10 @@ UPDATE_KEYS = ("changed_code_frac", "update_to_error_ratio")
 class QurlServerAdapter(ServerAdapter):
     last_sync_stats: dict | None = None
     _sync_future = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        loss_metrics_channel.apply()
 
     async def _execute_method(self, method, non_block=False, timeout=None, args=(), kwargs=None):
         result = await super()._execute_method(method, non_block=non_block, timeout=timeout, args=args, kwargs=kwargs)
@@ -40,7 +44,7 @@ class QurlServerAdapter(ServerAdapter):
                 "(checkpoint_engine.backend=delta_sharded) is not supported"
             )
         self._sync_future = None
-        stride = QurlRolloutSettings.from_rollout_config(self.config).code_change_row_stride
+        stride = RolloutSettings.from_rollout_config(self.config).code_change_row_stride
         await super().update_weights(
             weights, global_steps=global_steps, wire_format=wire_format, code_change_row_stride=stride, **kwargs
         )
@@ -48,10 +52,10 @@ class QurlServerAdapter(ServerAdapter):
             per_worker = await self._sync_future
             self.last_sync_stats = next((s for s in per_worker or () if s), None)
             logger.info("qurl_vllm sync (step %s): %s", global_steps, self.last_sync_stats)
-            step_metrics.publish(self.sync_metrics(), replace_prefix="qurl/sync/")
+            loss_metrics_channel.publish(self.sync_metrics(), replace_prefix="qurl/sync/")
             update = self.update_metrics()
             if update:
-                step_metrics.publish(update, replace_prefix="qurl/update/")
+                loss_metrics_channel.publish(update, replace_prefix="qurl/update/")
 
     def sync_metrics(self) -> dict[str, float]:
         """The last sync's worker-side costs, ``qurl/sync/<field>`` (empty before the first sync)."""

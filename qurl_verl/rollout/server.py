@@ -8,6 +8,8 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
   random weights; the first weight sync, before any rollout, brings in the trainer's.
 * ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
   layerwise-reload lifecycle at every sync.
+* ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
+  the plugin leaves out the stock-rollout CPU patch there.
 * ``collective_rpc`` returns the workers' results, so the adapter can read the sync timings.
 
 The replica must name its server actors with the prefix the adapter looks up
@@ -21,23 +23,22 @@ import os
 import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from qurl_verl.rollout.settings import QurlRolloutSettings, check_architecture
-
-WORKER_EXTENSION = "qurl_verl.rollout.worker_extension.QurlWorkerExtension"
-RELOADING_WORKER_ENV = "QURL_VLLM_LAYERWISE_RELOAD"
+from qurl_verl.rollout.worker_extension import QurlWorkerExtension
+from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings, check_architecture
 
 
 class QurlvLLMHttpServer(vLLMHttpServer):
     def _apply_quantization(self):
-        settings = QurlRolloutSettings.from_rollout_config(self.config)
+        settings = RolloutSettings.from_rollout_config(self.config)
         check_architecture(getattr(self.model_config.hf_config, "architectures", None), self.model_config.path)
         return settings.engine_quantization()
 
     def _get_worker_extension_cls(self) -> str:
-        # Inherited by the engine's worker processes: the plugin then knows the layerwise reload
-        # handles vLLM-CPU's weight prepacking and skips the stock-rollout work-around for it.
-        os.environ[RELOADING_WORKER_ENV] = "1"
-        return WORKER_EXTENSION
+        return f"{QurlWorkerExtension.__module__}.{QurlWorkerExtension.__qualname__}"
+
+    async def launch_server(self, *args, **kwargs):
+        os.environ[LAYERWISE_RELOAD_WORKER_ENV] = "1"
+        return await super().launch_server(*args, **kwargs)
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return await self.engine.collective_rpc(method=method, timeout=timeout, args=args, kwargs=kwargs)

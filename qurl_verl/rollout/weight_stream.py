@@ -27,7 +27,7 @@ import torch
 
 from qurl_verl.quant import QuantizedTensor, UpdateVisibilityTracker, resolve_format
 from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict
-from qurl_verl.rollout.settings import QurlRolloutSettings
+from qurl_verl.settings import RolloutSettings
 
 EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
@@ -47,7 +47,7 @@ class StreamStats:
 class WeightStreamQuantizer:
     """Turns trainer buckets into engine buckets for one rollout format."""
 
-    settings: QurlRolloutSettings
+    settings: RolloutSettings
     tracker: UpdateVisibilityTracker | None = None
     stats: StreamStats = field(default_factory=StreamStats)
 
@@ -55,7 +55,7 @@ class WeightStreamQuantizer:
         return (
             self.settings.quantized
             and tensor.dtype not in EIGHT_BIT_DTYPES
-            and is_quantization_target(name, tensor, ignore=self.settings.ignore)
+            and is_quantization_target(name, tensor, ignore=self.settings.ignore_patterns)
         )
 
     def transform(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -68,7 +68,7 @@ class WeightStreamQuantizer:
         targets = [item for item, q in zip(bucket, is_target) if q]
         if targets:
             s = self.settings
-            out.extend(quantize_state_dict(targets, s.quant_format, s.granularity, ignore=s.ignore))
+            out.extend(quantize_state_dict(targets, s.format.quant_format, s.format.granularity, ignore=s.ignore_patterns))
         quantized = time.perf_counter()
         if self.tracker is not None and targets:
             self._observe(targets, out[len(out) - 2 * len(targets) :])
@@ -83,6 +83,6 @@ class WeightStreamQuantizer:
 
     def _observe(self, targets, quantized) -> None:
         """``quantized`` is (codes, scale) per target, in order, as quantize_state_dict yields them."""
-        fmt, granularity = resolve_format(self.settings.quant_format), self.settings.granularity
+        fmt, granularity = resolve_format(self.settings.format.quant_format), self.settings.format.granularity
         for (name, weight), (_, codes), (_, scale) in zip(targets, quantized[0::2], quantized[1::2]):
             self.tracker.observe(name, weight, QuantizedTensor(codes, scale, fmt, granularity))

@@ -37,7 +37,7 @@ from qurl_verl.patches.vllm_cpu_worker import (
     vllm_cpu_tied_lm_head_refresh,
 )
 from qurl_verl.quant import UpdateVisibilityTracker
-from qurl_verl.rollout.settings import QurlRolloutSettings
+from qurl_verl.settings import RolloutSettings
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 
 logger = logging.getLogger("qurl_verl")
@@ -149,17 +149,17 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
     # ------------------------------------------------------------------ the reload itself
 
-    def qurl_settings(self) -> QurlRolloutSettings:
+    def qurl_settings(self) -> RolloutSettings:
         hf_config = self.model_runner.vllm_config.model_config.hf_config
-        return QurlRolloutSettings.from_quantization_config(getattr(hf_config, "quantization_config", None))
+        return RolloutSettings.from_quantization_config(getattr(hf_config, "quantization_config", None))
 
-    def _code_change_tracker(self, settings: QurlRolloutSettings, row_stride: int) -> UpdateVisibilityTracker | None:
+    def _code_change_tracker(self, settings: RolloutSettings, row_stride: int) -> UpdateVisibilityTracker | None:
         """One tracker across syncs (it holds the previous sync's sampled weights and codes)."""
         if not settings.quantized or row_stride <= 0:
             self._qurl_tracker = None
         elif self._qurl_tracker is None or self._qurl_tracker.row_stride != row_stride:
             self._qurl_tracker = UpdateVisibilityTracker(
-                settings.quant_format, settings.granularity, ignore=settings.ignore, row_stride=row_stride
+                settings.format.quant_format, settings.format.granularity, ignore=settings.ignore_patterns, row_stride=row_stride
             )
         return self._qurl_tracker
 
@@ -177,7 +177,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         settings = self.qurl_settings()
         tracker = self._code_change_tracker(settings, code_change_row_stride)
         stream = WeightStreamQuantizer(settings, tracker=tracker)
-        stats = SyncStats(sync=self._qurl_syncs + 1, format=settings.format)
+        stats = SyncStats(sync=self._qurl_syncs + 1, format=settings.format.value)
         buffer_names = {name for name, _ in model.named_buffers()}
         buffer_updates: list[tuple[str, torch.Tensor]] = []
 
@@ -220,7 +220,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
                 stats.update_to_error_ratio = overall["update_to_error_ratio"]
         self._qurl_syncs += 1
         self._qurl_last_sync = stats
-        logger.info("qurl_vllm weight sync %d (%s): %s", stats.sync, settings.format, stats.as_metrics(prefix=""))
+        logger.info("qurl_vllm weight sync %d (%s): %s", stats.sync, settings.format.value, stats.as_metrics(prefix=""))
 
     def _raise_if_broken(self) -> None:
         if self._qurl_broken:

@@ -35,12 +35,12 @@ from vllm_reload_harness import (
 )
 
 from qurl_verl.quant import update_visibility
-from qurl_verl.rollout.settings import QurlRolloutSettings
+from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
 
-INT8 = QurlRolloutSettings(format="int8")
-UNQUANTIZED = QurlRolloutSettings(format="bf16")  # "no quantization", whatever the engine dtype
+INT8 = RolloutSettings(format="int8")
+UNQUANTIZED = RolloutSettings(format="bf16")  # "no quantization", whatever the engine dtype
 SYNCS = 5
 
 

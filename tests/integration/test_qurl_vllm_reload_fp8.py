@@ -23,12 +23,12 @@ from vllm_reload_harness import (
     sync_weights,
 )
 
-from qurl_verl.rollout.settings import QurlRolloutSettings
+from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
 
-FP8 = QurlRolloutSettings(format="fp8")
-UNQUANTIZED = QurlRolloutSettings(format="bf16")
+FP8 = RolloutSettings(format="fp8")
+UNQUANTIZED = RolloutSettings(format="bf16")
 
 
 def test_fp8_engine_tracks_the_fp8_reference(tiny_model_dir):

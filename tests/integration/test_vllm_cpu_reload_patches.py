@@ -31,11 +31,11 @@ from vllm_reload_harness import (
     summary,
 )
 
-from qurl_verl.rollout.settings import QurlRolloutSettings
+from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
 
-INT8 = QurlRolloutSettings(format="int8")
+INT8 = RolloutSettings(format="int8")
 PARAM_NAMES = ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"]
 
 

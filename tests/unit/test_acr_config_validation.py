@@ -6,13 +6,18 @@ import re
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from qurl_verl.losses.config import AcrConfigError, QurlPolicyLossConfig, validate_loss_settings
+from qurl_verl.losses.config import QurlPolicyLossConfig
+from qurl_verl.settings import QurlConfigError, QurlSettings
+
+
+def validate_loss_settings(cfg):
+    return QurlSettings.from_config(cfg).loss
 
 GOOD = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig",
     "actor_rollout_ref.actor.policy_loss.loss_mode=qurl_acr",
-    "+actor_rollout_ref.actor.policy_loss.acr_C=2.0",
+    "+actor_rollout_ref.actor.policy_loss.is_cap=2.0",
     "actor_rollout_ref.actor.clip_ratio_high=0.28",
     "algorithm.rollout_correction.rollout_is=token",
     "algorithm.rollout_correction.rollout_is_threshold=1e9",
@@ -59,7 +64,7 @@ BAD = {
     "batch_normalize": ("algorithm.rollout_correction.rollout_is_batch_normalize", True, "set algorithm.rollout_correction.rollout_is_batch_normalize=false"),
     "plain_target": ("actor_rollout_ref.actor.policy_loss._target_", "verl.workers.config.PolicyLossConfig",
                      "set actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig"),
-    "c_below_one": ("actor_rollout_ref.actor.policy_loss.acr_C", 0.5, "set actor_rollout_ref.actor.policy_loss.acr_C=2.0"),
+    "c_below_one": ("actor_rollout_ref.actor.policy_loss.is_cap", 0.5, "set actor_rollout_ref.actor.policy_loss.is_cap=2.0"),
     "cap_below_eps_high": ("actor_rollout_ref.actor.policy_loss.acr_upper_cap", 1.1, "1 + clip_ratio_high = 1.28"),
 }
 
@@ -68,7 +73,7 @@ BAD = {
 def test_each_bad_setting_fails_with_its_message(good_cfg, case):
     key, value, fix = BAD[case]
     cfg = with_setting(good_cfg, key, value)
-    with pytest.raises(AcrConfigError) as err:
+    with pytest.raises(QurlConfigError) as err:
         validate_loss_settings(cfg)
     lines = str(err.value).splitlines()[1:]
     assert len(lines) == 1, str(err.value)  # exactly this one problem is reported
@@ -79,11 +84,11 @@ def test_each_bad_setting_fails_with_its_message(good_cfg, case):
 def test_several_problems_are_reported_together(good_cfg):
     cfg = with_setting(good_cfg, "algorithm.rollout_correction.bypass_mode", True)
     cfg = with_setting(cfg, "actor_rollout_ref.rollout.calculate_log_probs", False)
-    with pytest.raises(AcrConfigError, match=re.compile("bypass_mode=false.*calculate_log_probs=true", re.S)):
+    with pytest.raises(QurlConfigError, match=re.compile("bypass_mode=false.*calculate_log_probs=true", re.S)):
         validate_loss_settings(cfg)
 
 
 def test_bad_values_are_refused_where_workers_build_the_config():
-    with pytest.raises(AcrConfigError, match="acr_C"):
-        QurlPolicyLossConfig(loss_mode="qurl_acr", acr_C=0.5)
-    assert QurlPolicyLossConfig(loss_mode="qurl_acr").acr_C == 2.0
+    with pytest.raises(QurlConfigError, match="is_cap"):
+        QurlPolicyLossConfig(loss_mode="qurl_acr", is_cap=0.5)
+    assert QurlPolicyLossConfig(loss_mode="qurl_acr").is_cap == 2.0

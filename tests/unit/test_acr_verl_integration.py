@@ -14,7 +14,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss
 
 from qurl_verl.losses.config import QurlPolicyLossConfig
-from qurl_verl.losses.registration import register
+from qurl_verl.losses import verl_losses
 
 EPS_LOW, EPS_HIGH, DUAL_C, C = 0.2, 0.28, 3.0, 2.0
 
@@ -23,7 +23,7 @@ QURL_OVERRIDES = [
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig",
-    f"+actor_rollout_ref.actor.policy_loss.acr_C={C}",
+    f"+actor_rollout_ref.actor.policy_loss.is_cap={C}",
     f"actor_rollout_ref.actor.clip_ratio_low={EPS_LOW}",
     f"actor_rollout_ref.actor.clip_ratio_high={EPS_HIGH}",
     f"actor_rollout_ref.actor.clip_ratio_c={DUAL_C}",
@@ -59,36 +59,42 @@ def test_composed_config_builds_the_subclass_and_passes_verl_validation(composed
     import verl.utils.config as verl_config
     from hydra import compose
 
-    from qurl_verl.losses.config import validate_loss_settings
+    from qurl_verl.settings import QurlSettings
 
     # a second composition (inside the fixture's Hydra context) with a new key that needs '+'
     cfg = compose("ppo_trainer", overrides=QURL_OVERRIDES + [
         "actor_rollout_ref.actor.policy_loss.loss_mode=qurl_acr", "+actor_rollout_ref.actor.policy_loss.acr_upper_cap=50"])
-    validate_loss_settings(cfg)
+    assert QurlSettings.from_config(cfg).loss.acr_upper_cap == 50
     # verl's own function, without any wrapper another plugin module may have installed
     verl_validate = getattr(verl_config.validate_config, "__wrapped__", verl_config.validate_config)
     verl_validate(cfg, use_reference_policy=False, use_critic=False)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert type(actor).__name__ == "FSDPActorConfig"
     assert isinstance(actor.policy_loss, QurlPolicyLossConfig)
-    assert (actor.policy_loss.acr_C, actor.policy_loss.acr_upper_cap, actor.policy_loss.loss_mode) == (C, 50, "qurl_acr")
+    assert (actor.policy_loss.is_cap, actor.policy_loss.acr_upper_cap, actor.policy_loss.loss_mode) == (C, 50, "qurl_acr")
 
 
-def test_register_puts_both_names_in_verls_registry():
-    register()
-    assert get_policy_loss_fn("qurl_acr").__name__ == "qurl_acr_policy_loss"
-    assert get_policy_loss_fn("qurl_tis").__name__ == "qurl_tis_policy_loss"
+def test_importing_the_module_registers_both_names_in_verls_registry(monkeypatch):
+    """Registration happens at the definitions (verl's decorator), when the plugin imports the module."""
+    import importlib
 
-
-def test_building_the_config_registers_the_losses(monkeypatch, composed):
-    """A worker that builds its actor config finds the losses even if verl's plugin loading was off."""
     from verl.trainer.ppo import core_algos
 
     monkeypatch.setattr(core_algos, "POLICY_LOSS_REGISTRY", {"vanilla": core_algos.compute_policy_loss_vanilla})
     with pytest.raises(ValueError, match="Unsupported loss mode"):
         get_policy_loss_fn("qurl_acr")
-    actor_config(composed, "qurl_acr", "token-mean")
+    importlib.reload(verl_losses)
     assert get_policy_loss_fn("qurl_acr").__name__ == "qurl_acr_policy_loss"
+    assert get_policy_loss_fn("qurl_tis").__name__ == "qurl_tis_policy_loss"
+
+
+def test_building_the_config_registers_nothing(monkeypatch, composed):
+    """Building a config has no side effect on verl's registries (only the plugin registers)."""
+    from verl.trainer.ppo import core_algos
+
+    monkeypatch.setattr(core_algos, "POLICY_LOSS_REGISTRY", {"vanilla": core_algos.compute_policy_loss_vanilla})
+    actor_config(composed, "qurl_acr", "token-mean")
+    assert set(core_algos.POLICY_LOSS_REGISTRY) == {"vanilla"}
 
 
 # ---- verl's ppo_loss with the TensorDict layout the FSDP engine hands it -------------------------------------------
@@ -255,35 +261,39 @@ def test_plain_policy_loss_config_is_a_clear_error(composed):
     node = actor_node(composed, "qurl_tis", "token-mean")
     node.policy_loss._target_ = "verl.workers.config.PolicyLossConfig"
     with open_dict(node):
-        del node.policy_loss["acr_C"]
+        del node.policy_loss["is_cap"]
     config = omega_conf_to_dataclass(node)
     td, flat, _, _ = make_engine_batch(14, dp_size=1, extra_tokens=0, extra_seqs=0)
     with pytest.raises(ValueError, match="_target_=qurl_verl.losses.config.QurlPolicyLossConfig"):
         ppo_loss(config, {"log_probs": flat}, td)
 
 
-def test_vanilla_variant_equals_verls_vanilla_and_carries_step_metrics(composed):
-    """`qurl_vanilla` (bf16 / naive presets) is verl's loss bit for bit, plus the published sync metrics."""
-    from qurl_verl import step_metrics
+def test_any_loss_carries_the_sync_metrics_once_the_channel_is_installed(composed, monkeypatch):
+    """verl's own vanilla loss, through verl's ppo_loss: bit for bit the same loss and gradient with the
+    channel installed, plus the metrics the qurl_vllm adapter published; nothing added without it."""
+    import verl.workers.utils.losses as verl_loss_module
 
-    step_metrics.clear()
-    step_metrics.publish({"qurl/sync/total_s": 0.25, "qurl/update/changed_code_frac": 0.125})
-    try:
-        results = {}
-        for mode in ("vanilla", "qurl_vanilla"):
-            td, flat, _, _ = make_engine_batch(11, dp_size=1, extra_tokens=0, extra_seqs=0)
-            flat.requires_grad_(True)
-            loss, metrics = ppo_loss(actor_config(composed, mode, "token-mean"), {"log_probs": flat}, td)
-            loss.backward()
-            results[mode] = (loss.detach(), flat.grad.clone(), {k: m.aggregate() for k, m in metrics.items()})
-        assert torch.equal(results["vanilla"][0], results["qurl_vanilla"][0])
-        assert torch.equal(results["vanilla"][1], results["qurl_vanilla"][1])
-        qm = results["qurl_vanilla"][2]
-        assert qm["qurl/sync/total_s"] == pytest.approx(0.25) and qm["qurl/update/changed_code_frac"] == pytest.approx(0.125)
-        assert "qurl/sync/total_s" not in results["vanilla"][2]
-        # the ACR loss carries them too
+    from qurl_verl.patches.qurl_vllm import loss_metrics_channel
+
+    def run(mode):
         td, flat, _, _ = make_engine_batch(11, dp_size=1, extra_tokens=0, extra_seqs=0)
-        _, acr_metrics = ppo_loss(actor_config(composed, "qurl_acr", "token-mean"), {"log_probs": flat}, td)
-        assert acr_metrics["qurl/sync/total_s"].aggregate() == pytest.approx(0.25)
+        flat.requires_grad_(True)
+        loss, metrics = ppo_loss(actor_config(composed, mode, "token-mean"), {"log_probs": flat}, td)
+        loss.backward()
+        return loss.detach(), flat.grad.clone(), {k: m.aggregate() for k, m in metrics.items()}
+
+    loss_metrics_channel.clear()
+    loss_metrics_channel.publish({"qurl/sync/total_s": 0.25, "qurl/update/changed_code_frac": 0.125})
+    try:
+        stock = run("vanilla")
+        assert "qurl/sync/total_s" not in stock[2]  # not installed: verl's lookup is untouched
+        monkeypatch.setattr(verl_loss_module, "get_policy_loss_fn", verl_loss_module.get_policy_loss_fn)
+        assert loss_metrics_channel.apply() is True and loss_metrics_channel.apply() is False
+        carried = run("vanilla")
+        assert torch.equal(stock[0], carried[0]) and torch.equal(stock[1], carried[1])
+        assert {k: v for k, v in carried[2].items() if not k.startswith("qurl/")} == stock[2]
+        assert carried[2]["qurl/sync/total_s"] == pytest.approx(0.25)
+        assert carried[2]["qurl/update/changed_code_frac"] == pytest.approx(0.125)
+        assert run("qurl_acr")[2]["qurl/sync/total_s"] == pytest.approx(0.25)  # the ACR loss carries them too
     finally:
-        step_metrics.clear()
+        loss_metrics_channel.clear()

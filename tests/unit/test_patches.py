@@ -107,11 +107,12 @@ def test_vllm_dist_alias_install_into_a_fresh_folder(tmp_path):
 
 
 def test_validate_config_hook_runs_qurl_checks_first():
+    """For a qurl config, the qurl checks run before verl's own (which would fail later, on the batch sizes)."""
     code = """
         import verl
         import verl.utils.config as vc
         from qurl_recipes.compose import compose_ppo_config, validate_like_main_ppo
-        cfg = compose_ppo_config(["actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.rollout.name=vllm"])
+        cfg = compose_ppo_config(["actor_rollout_ref.model.path=/nonexistent/model", "actor_rollout_ref.rollout.name=qurl_vllm"])
         try:
             validate_like_main_ppo(cfg); print("PASSED")
         except Exception as e:

@@ -7,14 +7,15 @@ import subprocess
 
 import pytest
 
-from qurl_verl import config as qc
+from qurl_verl import driver as qc
+from qurl_verl import settings as qs
 from qurl_recipes import recipes_check as rc
 from qurl_recipes.data import math_datasets as md
 
 PRESETS = ["bf16", "fp8", "int8", "naive_int8", "tis_fp8", "tis_int8"]
 EXPECTED = {  # preset -> (rollout.quantization, loss_mode, UAQ)
-    "bf16": ("bf16", "qurl_vanilla", False),
-    "naive_int8": ("int8", "qurl_vanilla", False),
+    "bf16": ("bf16", "vanilla", False),
+    "naive_int8": ("int8", "vanilla", False),
     "tis_int8": ("int8", "qurl_tis", False),
     "tis_fp8": ("fp8", "qurl_tis", False),
     "int8": ("int8", "qurl_acr", True),
@@ -35,7 +36,7 @@ def data_root(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a dry run must not need the hub, even to look
-    monkeypatch.delenv(qc.DRY_RUN_ENV, raising=False)
+    monkeypatch.delenv(qs.DRY_RUN_ENV, raising=False)
 
 
 def test_shipped_presets_are_the_ones_checked():
@@ -108,20 +109,21 @@ def test_unsupported_model_paths(data_root, tmp_path):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     data = data_root / "deepscaler-shipped"
-    with pytest.raises(qc.QurlConfigError, match=r"qurl_vllm does not know how to quantize .*GPT2LMHeadModel"):
+    with pytest.raises(qs.QurlConfigError, match=r"qurl_vllm does not know how to quantize .*GPT2LMHeadModel"):
         rc.check_overrides(rc.recipe_overrides("deepscaler", "int8", data, extra=[f"actor_rollout_ref.model.path={gpt2}"]))
-    with pytest.raises(qc.QurlConfigError, match=r"model.path=/no/such/model does not exist"):
+    with pytest.raises(qs.QurlConfigError, match=r"model.path=/no/such/model does not exist"):
         rc.check_overrides(rc.recipe_overrides("deepscaler", "bf16", data, extra=["actor_rollout_ref.model.path=/no/such/model"]))
 
 
 def test_hub_id_check_relaxed_only_in_a_dry_run(monkeypatch):
     from qurl_recipes.compose import compose_ppo_config
 
-    cfg = compose_ppo_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.model.path=org/model"])
-    with pytest.raises(qc.QurlConfigError, match="HF_HUB_OFFLINE=1 forbids downloading it"):
-        qc.check_model_path(cfg)
-    monkeypatch.setenv(qc.DRY_RUN_ENV, "1")
-    qc.check_model_path(cfg)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = compose_ppo_config(["actor_rollout_ref.rollout.name=qurl_vllm", "actor_rollout_ref.model.path=org/model"])
+    with pytest.raises(qs.QurlConfigError, match="HF_HUB_OFFLINE=1 forbids downloading it"):
+        qc.check_model_path(cfg, qs.UaqSettings())
+    monkeypatch.setenv(qs.DRY_RUN_ENV, "1")
+    qc.check_model_path(cfg, qs.UaqSettings())
 
 
 def test_dry_run_reports_uaq_without_converting(tmp_path, monkeypatch):
@@ -129,9 +131,9 @@ def test_dry_run_reports_uaq_without_converting(tmp_path, monkeypatch):
 
     cfg = OmegaConf.create({"qurl": {"uaq": {"enable": True, "scale": 1.5, "targets": ["q_proj"], "cache_dir": str(tmp_path / "c")}},
                             "actor_rollout_ref": {"model": {"path": "org/model"}}})
-    monkeypatch.setenv(qc.DRY_RUN_ENV, "1")
+    monkeypatch.setenv(qs.DRY_RUN_ENV, "1")
     logs = []
-    qc.prepare_config(cfg, log=logs.append)
+    qc.prepare_config(cfg, qs.UaqSettings.from_config(cfg), log=logs.append)
     assert cfg.actor_rollout_ref.model.path == "org/model" and not (tmp_path / "c").exists()
     assert logs == ["[qurl] dry run: would apply UAQ (s=1.5, q_proj) to org/model and point the actor at the converted copy"]
 
@@ -148,5 +150,5 @@ def test_uaq_fetches_a_hub_checkpoint_before_converting(tmp_path, monkeypatch):
         raise OSError("offline")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(qc.QurlConfigError, match=r"cannot fetch actor_rollout_ref.model.path=org/model .*download the checkpoint"):
+    with pytest.raises(qs.QurlConfigError, match=r"cannot fetch actor_rollout_ref.model.path=org/model .*download the checkpoint"):
         qc.local_checkpoint("org/model")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from qurl_verl.config import QurlConfigError
+from qurl_verl.settings import QurlConfigError
 
 
 def test_plugin_registers_qurl_vllm_without_importing_vllm():
@@ -39,9 +39,7 @@ def test_replica_actor_names_match_what_the_adapter_looks_up(server_module):
     from verl.workers.rollout.replica import RolloutReplicaRegistry
     from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
-    import qurl_verl.rollout.registration as registration
-
-    registration.register()
+    import qurl_verl.rollout.registration  # noqa: F401 - registers on import
     replica_cls = RolloutReplicaRegistry.get("qurl_vllm")
     assert replica_cls is server_module.QurlvLLMReplica
     config = {"name": "qurl_vllm"}
@@ -111,7 +109,7 @@ async def test_adapter_sync_asks_for_code_tracking_and_publishes_the_workers_sta
     pytest.importorskip("vllm", reason="needs vLLM")
     from verl.workers.rollout.vllm_rollout import vllm_rollout
 
-    from qurl_verl import step_metrics
+    from qurl_verl.patches.qurl_vllm import loss_metrics_channel as step_metrics
     from qurl_verl.rollout.adapter import QurlServerAdapter
 
     sent = []

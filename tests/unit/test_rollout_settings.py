@@ -8,12 +8,13 @@ import logging
 import pytest
 from omegaconf import OmegaConf
 
-from qurl_verl.config import QurlConfigError
-from qurl_verl.rollout.settings import (
-    QurlRolloutSettings,
-    check_cpu_support,
-    validate_rollout_settings,
-)
+from qurl_verl import driver
+from qurl_verl.settings import QurlConfigError, RolloutSettings, check_cpu_rollout_format
+
+
+def validate_rollout_settings(cfg):
+    """What the driver checks and returns for the rollout group of a config."""
+    return driver.check_config(cfg).rollout
 
 
 def rollout_node(quantization=None, qurl=None):
@@ -34,12 +35,12 @@ def rollout_node(quantization=None, qurl=None):
     ],
 )
 def test_format_comes_from_rollout_quantization(value, fmt, quant, granularity):
-    s = QurlRolloutSettings.from_rollout_config(rollout_node(value))
-    assert (s.format, s.quant_format, s.granularity) == (fmt, quant, granularity)
+    s = RolloutSettings.from_rollout_config(rollout_node(value))
+    assert (s.format, s.format.quant_format, s.format.granularity) == (fmt, quant, granularity)
 
 
 def test_int8_engine_config_is_compressed_tensors_w8a8_per_channel_per_token():
-    quantization, overrides = QurlRolloutSettings.from_rollout_config(rollout_node("int8")).engine_quantization()
+    quantization, overrides = RolloutSettings.from_rollout_config(rollout_node("int8")).engine_quantization()
     cfg = overrides["quantization_config"]
     group = cfg["config_groups"]["group_0"]
     assert quantization == "compressed-tensors" and cfg["quant_method"] == "compressed-tensors"
@@ -49,50 +50,50 @@ def test_int8_engine_config_is_compressed_tensors_w8a8_per_channel_per_token():
 
 
 def test_fp8_block_engine_config_has_128_blocks_and_groups():
-    _, overrides = QurlRolloutSettings(format="fp8_block").engine_quantization()
+    _, overrides = RolloutSettings(format="fp8_block").engine_quantization()
     group = overrides["quantization_config"]["config_groups"]["group_0"]
     assert group["weights"]["type"] == "float" and group["weights"]["block_structure"] == [128, 128]
     assert group["input_activations"]["strategy"] == "group" and group["input_activations"]["group_size"] == 128
 
 
 def test_bf16_builds_an_unquantized_engine():
-    assert QurlRolloutSettings(format="bf16").engine_quantization() == (None, {})
+    assert RolloutSettings(format="bf16").engine_quantization() == (None, {})
 
 
-def test_keep_bf16_layers_join_the_ignore_list():
-    s = QurlRolloutSettings.from_rollout_config(
-        rollout_node("int8", {"keep_bf16": ["model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*"]})
+def test_ignored_layers_join_the_always_ignored_lm_head():
+    s = RolloutSettings.from_rollout_config(
+        rollout_node("int8", {"ignore": ["model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*"]})
     )
-    assert s.ignore == ("lm_head", "model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*")
-    assert s.quantization_config()["ignore"] == list(s.ignore)
+    assert s.ignore_patterns == ("lm_head", "model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*")
+    assert s.quantization_config()["ignore"] == list(s.ignore_patterns)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_block", "bf16"])
 def test_worker_recovers_the_settings_from_the_engine_config(fmt):
-    s = QurlRolloutSettings(format=fmt, keep_bf16=("model.layers.0.mlp.down_proj",) if fmt != "bf16" else ())
-    assert QurlRolloutSettings.from_quantization_config(s.quantization_config()) == s
+    s = RolloutSettings(format=fmt, ignore=("model.layers.0.mlp.down_proj",) if fmt != "bf16" else ())
+    assert RolloutSettings.from_quantization_config(s.quantization_config()) == s
 
 
 def test_worker_rejects_a_foreign_quantization_config():
     with pytest.raises(ValueError, match="not a qurl_vllm quantization_config"):
-        QurlRolloutSettings.from_quantization_config({"quant_method": "gptq", "config_groups": {"group_0": {"weights": {"type": "int", "strategy": "group"}}}})
+        RolloutSettings.from_quantization_config({"quant_method": "gptq", "config_groups": {"group_0": {"weights": {"type": "int", "strategy": "group"}}}})
 
 
 def test_unknown_format_names_the_key_and_the_choices():
     with pytest.raises(QurlConfigError) as e:
-        QurlRolloutSettings.from_rollout_config(rollout_node("int4"))
+        RolloutSettings.from_rollout_config(rollout_node("int4"))
     msg = str(e.value)
-    assert "actor_rollout_ref.rollout.quantization='int4'" in msg and "int8, fp8, fp8_block, bf16" in msg
+    assert "actor_rollout_ref.rollout.quantization=int4 " in msg and "int8, fp8, fp8_block, bf16" in msg
 
 
 def test_unknown_custom_key_is_rejected():
-    with pytest.raises(QurlConfigError, match=r"custom\.qurl\.keep_bf15.*keep_bf16"):
-        QurlRolloutSettings.from_rollout_config(rollout_node("int8", {"keep_bf15": ["x"]}))
+    with pytest.raises(QurlConfigError, match=r"custom\.qurl\.keep_bf16.*reads only: ignore, code_change_row_stride"):
+        RolloutSettings.from_rollout_config(rollout_node("int8", {"keep_bf16": ["x"]}))
 
 
-def test_keep_bf16_must_hold_names():
-    with pytest.raises(QurlConfigError, match="keep_bf16 must be a list"):
-        QurlRolloutSettings.from_rollout_config(rollout_node("int8", {"keep_bf16": [3]}))
+def test_ignore_must_hold_names():
+    with pytest.raises(QurlConfigError, match=r"ignore=\[3\]: must be a list"):
+        RolloutSettings.from_rollout_config(rollout_node("int8", {"ignore": [3]}))
 
 
 def driver_config(tmp_path, quantization="int8", architectures=("Qwen2ForCausalLM",), device="cpu"):
@@ -122,7 +123,7 @@ def test_block_fp8_on_a_cpu_without_amx_is_one_clear_error(tmp_path, monkeypatch
     import torch
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    with pytest.raises(QurlConfigError, match="fp8_block needs a CPU with AMX.*quantization=int8"):
+    with pytest.raises(QurlConfigError, match="fp8_block needs a CPU with AMX.*=int8"):
         validate_rollout_settings(driver_config(tmp_path, quantization="fp8_block"))
 
 
@@ -135,7 +136,7 @@ def test_block_fp8_on_gpu_hosts_is_not_checked_against_the_cpu(tmp_path, monkeyp
 
 
 def test_block_fp8_with_amx_is_allowed():
-    check_cpu_support(QurlRolloutSettings(format="fp8_block"), amx=True)
+    assert check_cpu_rollout_format(RolloutSettings(format="fp8_block"), amx=True) is None
 
 
 def test_per_channel_fp8_on_cpu_runs_with_a_warning(tmp_path, caplog):
@@ -145,11 +146,11 @@ def test_per_channel_fp8_on_cpu_runs_with_a_warning(tmp_path, caplog):
 
 
 def test_code_change_tracking_defaults_on_and_can_be_turned_off():
-    assert QurlRolloutSettings.from_rollout_config(rollout_node("int8")).code_change_row_stride == 8
-    off = QurlRolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_row_stride": 0}))
+    assert RolloutSettings.from_rollout_config(rollout_node("int8")).code_change_row_stride == 8
+    off = RolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_row_stride": 0}))
     assert off.code_change_row_stride == 0
 
 
 def test_code_change_row_stride_must_be_a_count():
-    with pytest.raises(QurlConfigError, match="code_change_row_stride must be an integer >= 0"):
-        QurlRolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_row_stride": -1}))
+    with pytest.raises(QurlConfigError, match="code_change_row_stride=-1: must be an integer >= 0"):
+        RolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_row_stride": -1}))

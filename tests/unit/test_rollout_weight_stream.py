@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qurl_verl.quant import UpdateVisibilityTracker, quantize, update_visibility
-from qurl_verl.rollout.settings import QurlRolloutSettings
+from qurl_verl.settings import RolloutSettings
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -33,7 +33,7 @@ def in_one_buffer(named):
 
 
 def test_int8_quantizes_exactly_the_decoder_projections(state):
-    out = dict(WeightStreamQuantizer(QurlRolloutSettings(format="int8")).transform(state.items()))
+    out = dict(WeightStreamQuantizer(RolloutSettings(format="int8")).transform(state.items()))
     for name, t in state.items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJ:
@@ -47,14 +47,14 @@ def test_int8_quantizes_exactly_the_decoder_projections(state):
 
 
 def test_fp8_block_uses_128_blocks(state):
-    out = dict(WeightStreamQuantizer(QurlRolloutSettings(format="fp8_block")).transform(state.items()))
+    out = dict(WeightStreamQuantizer(RolloutSettings(format="fp8_block")).transform(state.items()))
     w = state["model.layers.0.mlp.gate_proj.weight"]
     assert out["model.layers.0.mlp.gate_proj.weight"].dtype == torch.float8_e4m3fn
     assert out["model.layers.0.mlp.gate_proj.weight_scale"].shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
 
 
 def test_keep_bf16_layers_pass_through(state):
-    s = QurlRolloutSettings(format="int8", keep_bf16=("model.layers.1.mlp.down_proj",))
+    s = RolloutSettings(format="int8", ignore=("model.layers.1.mlp.down_proj",))
     out = dict(WeightStreamQuantizer(s).transform(state.items()))
     assert out["model.layers.1.mlp.down_proj.weight"].dtype == torch.float32
     assert "model.layers.1.mlp.down_proj.weight_scale" not in out
@@ -65,16 +65,16 @@ def test_keep_bf16_layers_pass_through(state):
 def test_nothing_returned_aliases_the_transport_buffer(state, fmt):
     named = list(state.items())
     buffer, views = in_one_buffer(named)
-    out = WeightStreamQuantizer(QurlRolloutSettings(format=fmt)).transform(views)
+    out = WeightStreamQuantizer(RolloutSettings(format=fmt)).transform(views)
     buffer.fill_(0xFF)  # the next bucket lands in the same buffer
-    expected = dict(WeightStreamQuantizer(QurlRolloutSettings(format=fmt)).transform(named))
+    expected = dict(WeightStreamQuantizer(RolloutSettings(format=fmt)).transform(named))
     assert len(out) == len(expected)
     for name, t in out:
         assert torch.equal(t, expected[name]), name
 
 
 def test_bf16_format_quantizes_nothing(state):
-    stream = WeightStreamQuantizer(QurlRolloutSettings(format="bf16"))
+    stream = WeightStreamQuantizer(RolloutSettings(format="bf16"))
     out = stream.transform(state.items())
     assert [n for n, _ in out] == list(state) and stream.stats.quantized == 0
 
@@ -84,13 +84,13 @@ def test_already_quantized_weights_pass_unchanged(state):
     w = state["model.layers.0.self_attn.q_proj.weight"]
     q = quantize(w, "int8", "channel")
     sent = [("model.layers.0.self_attn.q_proj.weight", q.data), ("model.layers.0.self_attn.q_proj.weight_scale", q.scale)]
-    out = dict(WeightStreamQuantizer(QurlRolloutSettings(format="int8")).transform(sent))
+    out = dict(WeightStreamQuantizer(RolloutSettings(format="int8")).transform(sent))
     assert torch.equal(out["model.layers.0.self_attn.q_proj.weight"], q.data)
     assert torch.equal(out["model.layers.0.self_attn.q_proj.weight_scale"], q.scale)
 
 
 def test_stats_count_the_stream(state):
-    stream = WeightStreamQuantizer(QurlRolloutSettings(format="int8"))
+    stream = WeightStreamQuantizer(RolloutSettings(format="int8"))
     items = list(state.items())
     stream.transform(items[:10])
     stream.transform(items[10:])
@@ -104,13 +104,13 @@ def test_nan_in_a_targeted_weight_raises_with_its_name(state):
     bad["model.layers.0.mlp.up_proj.weight"] = bad["model.layers.0.mlp.up_proj.weight"].clone()
     bad["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
     with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.weight"):
-        WeightStreamQuantizer(QurlRolloutSettings(format="int8")).transform(bad.items())
+        WeightStreamQuantizer(RolloutSettings(format="int8")).transform(bad.items())
 
 
 def test_tracker_sees_the_codes_the_engine_gets(state):
     """Two syncs through one stream tracker: the code-change rate is quant's own count on the
     sampled rows, computed without a second quantization."""
-    s = QurlRolloutSettings(format="int8")
+    s = RolloutSettings(format="int8")
     tracker = UpdateVisibilityTracker("int8", "channel", ignore=s.ignore, row_stride=2)
     gen = torch.Generator().manual_seed(0)
     stepped = {k: v + 0.002 * torch.randn(v.shape, generator=gen) for k, v in state.items()}

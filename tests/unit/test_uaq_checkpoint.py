@@ -56,13 +56,23 @@ def test_failed_conversion_leaves_no_cache_entry(tiny, tmp_path):
 
 def test_preset_rewrites_the_actor_path_in_the_driver(tiny, tmp_path, monkeypatch):
     from qurl_recipes.compose import compose_ppo_config
-    from qurl_verl.config import prepare_config
+    from qurl_verl.driver import prepare_config
+    from qurl_verl.settings import UaqSettings
 
     monkeypatch.setenv("QURL_CACHE_DIR", str(tmp_path))
     cfg = compose_ppo_config(["+qurl=int8", f"actor_rollout_ref.model.path={tiny}", f"qurl.uaq.cache_dir={tmp_path}/uaq"])
-    prepare_config(cfg, log=lambda *_: None)
+    prepare_config(cfg, UaqSettings.from_config(cfg), log=lambda *_: None)
     assert cfg.actor_rollout_ref.model.path.startswith(str(tmp_path / "uaq"))
     assert uaq_record_of(cfg.actor_rollout_ref.model.path)["targets"] == ["q_proj", "k_proj", "v_proj"]
     off = compose_ppo_config(["+qurl=tis_int8", f"actor_rollout_ref.model.path={tiny}"])
-    prepare_config(off, log=lambda *_: None)
+    prepare_config(off, UaqSettings.from_config(off), log=lambda *_: None)
     assert off.actor_rollout_ref.model.path == str(tiny)
+
+
+def test_reuse_compares_targets_not_only_the_scale(tiny, tmp_path):
+    """A checkpoint converted for q/k/v is not taken for a config that asks for other targets."""
+    converted = ensure_uaq_checkpoint(tiny, scale=1.5, cache_dir=tmp_path / "c", log=lambda *_: None)
+    assert ensure_uaq_checkpoint(converted, scale=1.5, log=lambda *_: None) == converted
+    with pytest.raises(ValueError, match=r"already carries UAQ on \['k_proj', 'q_proj', 'v_proj'\].*qurl.uaq.targets"):
+        ensure_uaq_checkpoint(converted, scale=1.5, targets=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"],
+                              log=lambda *_: None)

@@ -1,1 +1,1 @@
-"""x"""
+"""Run once at install time (`python -m qurl_verl.patches.install.<module> --install`)."""

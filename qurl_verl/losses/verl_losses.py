@@ -1,8 +1,11 @@
 """verl glue for the qurl losses: `loss_mode=qurl_acr` (Eq. 9) and `loss_mode=qurl_tis` (Eq. 5).
 
+Each loss is registered where it is defined, with verl's own decorator; importing this module
+(the plugin does) is what registers them.
+
 verl's `ppo_loss` calls a registered policy loss with keyword arguments only and hands it the
-driver-computed `rollout_is_weights` = pi_prox / pi_behav (token level, see
-`validate_loss_settings`). The numerics live in `qurl_verl.losses.acr`; this module reads the
+driver-computed `rollout_is_weights` = pi_prox / pi_behav (token level; the driver checks
+the settings that make verl send them, `qurl_verl.settings.LOSS_REQUIRED`). The numerics live in `qurl_verl.losses.acr`; this module reads the
 settings, recovers log w, aggregates with verl's `agg_loss` (including the global batch
 normalisation `ppo_loss` stores in `config.global_batch_info`) and formats the metrics.
 
@@ -17,7 +20,6 @@ from typing import Any, Optional
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
 
-from qurl_verl import step_metrics
 from qurl_verl.losses.acr import acr_token_loss, log_weight_from_is_weights
 
 METRIC_PREFIX = "actor/qurl/"
@@ -42,13 +44,13 @@ def _policy_loss(
             "rollout correction: set algorithm.rollout_correction.rollout_is=token, "
             "algorithm.rollout_correction.rollout_is_threshold=1e9, algorithm.rollout_correction.bypass_mode=false "
             "and actor_rollout_ref.rollout.calculate_log_probs=true "
-            "(qurl_verl.losses.config.validate_loss_settings checks all of them)."
+            "(the driver checks all of them)."
         )
     settings = config.policy_loss
-    is_cap = settings.get("acr_C", None)
+    is_cap = settings.get("is_cap", None)
     if is_cap is None:
         raise ValueError(
-            f"loss_mode={name}: actor.policy_loss has no acr_C; set "
+            f"loss_mode={name}: actor.policy_loss has no is_cap; set "
             "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig"
         )
     clip_ratio = config.clip_ratio
@@ -77,10 +79,10 @@ def _policy_loss(
     metrics["actor/pg_clipfrac"] = values["clipfrac_upper"] + values["clipfrac_lower"]
     metrics["actor/pg_clipfrac_lower"] = values["clipfrac_dual"]
     metrics["actor/ppo_kl"] = values["ppo_kl"]
-    metrics.update(step_metrics.current())
     return pg_loss, metrics
 
 
+@register_policy_loss("qurl_acr")
 def qurl_acr_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -94,6 +96,7 @@ def qurl_acr_policy_loss(
     return _policy_loss(True, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
 
 
+@register_policy_loss("qurl_tis")
 def qurl_tis_policy_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -105,29 +108,3 @@ def qurl_tis_policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO with token-level TIS min(w, C) (Eq. 5), as verl's `loss_mode=qurl_tis`: the ACR baseline."""
     return _policy_loss(False, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
-
-
-def qurl_vanilla_policy_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl's own vanilla PPO loss, unchanged, plus the rollout-sync metrics (bf16 / naive presets)."""
-    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
-
-    pg_loss, metrics = compute_policy_loss_vanilla(
-        old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask,
-        loss_agg_mode=loss_agg_mode, config=config, rollout_is_weights=rollout_is_weights,
-    )
-    return pg_loss, {**metrics, **step_metrics.current()}
-
-
-def register() -> None:
-    """Register `qurl_acr`, `qurl_tis` and `qurl_vanilla` in verl's policy-loss registry (idempotent)."""
-    register_policy_loss("qurl_acr")(qurl_acr_policy_loss)
-    register_policy_loss("qurl_tis")(qurl_tis_policy_loss)
-    register_policy_loss("qurl_vanilla")(qurl_vanilla_policy_loss)

