@@ -53,7 +53,7 @@ def test_fp8_block_uses_128_blocks(state):
     assert out["model.layers.0.mlp.gate_proj.weight_scale"].shape == (-(-w.shape[0] // 128), -(-w.shape[1] // 128))
 
 
-def test_keep_bf16_layers_pass_through(state):
+def test_ignored_layers_pass_through(state):
     s = RolloutSettings(format="int8", ignore=("model.layers.1.mlp.down_proj",))
     out = dict(WeightStreamQuantizer(s).transform(state.items()))
     assert out["model.layers.1.mlp.down_proj.weight"].dtype == torch.float32

@@ -1,0 +1,377 @@
+"""Every CPU-dependent branch of the vLLM-CPU worker patches, forced on whatever CPU runs the tests.
+
+Which code runs depends on the host: whether oneDNN's int8 GEMM saturates (no VNNI) decides the
+INT8 split, AMX decides between vLLM's sgl and oneDNN INT8 kernels, and AMX / oneDNN's dtype
+support decide how vLLM packs a tied lm_head. A test that only runs the host's branch leaves the
+others untested on every CI machine, so here the predicates the code consults are monkeypatched
+(``onednn_int8_saturates``, ``torch.cpu._is_amx_tile_supported``, vLLM's CPU architecture and
+oneDNN handler creation) and each branch is checked against exact products of the codes computed
+in int64 / float64. Every patch made here is undone after its test (monkeypatch).
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import inspect
+import logging
+import weakref
+
+import pytest
+import torch
+from torch.nn import Parameter
+
+from vllm import _custom_ops as ops
+from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_scaled_mm
+from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
+from vllm.model_executor.layers import utils as vllm_layer_utils
+from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+from vllm.platforms import CpuArchEnum, current_platform
+
+from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation as saturation
+from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_onednn_scale_keepalive as keepalive
+from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_tied_lm_head_refresh as lm_head_refresh
+
+pytestmark = pytest.mark.skipif(not ops._supports_onednn, reason="this vLLM build has no CPU oneDNN ops")
+
+Kernel = cpu_scaled_mm.CPUInt8ScaledMMLinearKernel
+PARAM_NAMES = ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"]
+N, K = 48, 128  # both sgl-eligible (N % 16 == 0, K % 32 == 0): only the AMX predicate keeps them on oneDNN
+REAL_PROBE = saturation.onednn_int8_saturates  # the host's answer, kept before any test replaces it
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures and an exactly representable W8A8 problem
+
+
+@pytest.fixture
+def vllm_kernel(monkeypatch):
+    """vLLM's own oneDNN post-processing on the kernel class, whatever a previous apply() left there."""
+    monkeypatch.setattr(Kernel, "process_weights_for_onednn", inspect.unwrap(Kernel.process_weights_for_onednn))
+    return Kernel
+
+
+@pytest.fixture
+def no_amx(monkeypatch):
+    """The host has no AMX tiles: vLLM keeps its INT8 and unquantized GEMMs off the sgl kernels."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+
+
+@pytest.fixture
+def handler_scales(monkeypatch):
+    """Weak references to the weight scale of every oneDNN INT8 handler created, in order."""
+    built_on, real = [], ops.create_onednn_scaled_mm
+
+    def create_onednn_scaled_mm(weight, weight_scales, *args, **kwargs):
+        built_on.append(weakref.ref(weight_scales))
+        return real(weight, weight_scales, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "create_onednn_scaled_mm", create_onednn_scaled_mm)
+    return built_on
+
+
+def w8a8_problem(n=N, k=K, seed=0):
+    """Codes, scales, input and bias whose W8A8 product float32 holds exactly.
+
+    Every input row has absmax 127, so dynamic per-token quantization has scale 1 and its codes are
+    the input itself. Weight scales are 2^-e (e <= 2) and biases multiples of 1/4: every partial
+    and total result is a multiple of 1/4 below 127 * 127 * 128 < 2^21, i.e. exact in float32.
+    Rows 0 and 1 are all +127 / -127, the codes for which an int16 pair sum overflows.
+    """
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    codes[0], codes[1] = 127, -127
+    scale = torch.exp2(-torch.randint(0, 3, (n, 1), generator=g).float())
+    x = torch.randint(-127, 128, (2, 3, k), generator=g).float()
+    x[..., 0] = 127.0
+    bias = torch.randint(-32, 33, (n,), generator=g).float() / 4
+    return codes, scale, x, bias
+
+
+def exact_product(codes, scale, x, bias=None):
+    """int64 product of the codes times the scales, in float64."""
+    acc = (x.reshape(-1, x.shape[-1]).to(torch.int64) @ codes.to(torch.int64).t()).to(torch.float64)
+    out = acc * scale.to(torch.float64).t()
+    if bias is not None:
+        out = out + bias.to(torch.float64)
+    return out.reshape(*x.shape[:-1], codes.shape[0])
+
+
+def int8_linear(codes, scale, *, static=False, symmetric=True):
+    """A bare layer post-processed by vLLM's CPU INT8 kernel, as the compressed-tensors scheme sets it up."""
+    config = Int8ScaledMMLinearLayerConfig(
+        is_static_input_scheme=static, is_channelwise=True, input_symmetric=symmetric
+    )
+    kernel = Kernel(config, PARAM_NAMES)
+    layer = torch.nn.Module()
+    layer.weight = Parameter(codes.clone(), requires_grad=False)
+    layer.weight_scale = Parameter(scale.clone(), requires_grad=False)
+    layer.input_scale = Parameter(torch.ones(1), requires_grad=False) if static else None
+    zero_point = Parameter(torch.zeros(1, dtype=torch.int32), requires_grad=False)
+    layer.input_zero_point = zero_point if static and not symmetric else None
+    layer.azp_adj = layer.bias = None
+    layer.logical_widths = [codes.shape[0]]
+    kernel.process_weights_after_loading(layer)
+    return kernel, layer
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm_cpu_int8_saturation
+
+
+def test_probe_matches_vllm_int8_kernel_on_this_cpu(vllm_kernel, no_amx):
+    """The probe is not forced: its answer must be what vLLM's unpatched oneDNN INT8 linear does
+    here with all-127 codes (through the kernel object, a different route than the probe's)."""
+    codes, scale = torch.full((32, 256), 127, dtype=torch.int8), torch.ones(32, 1)
+    x = torch.full((3, 256), 127.0)
+    kernel, layer = int8_linear(codes, scale)
+    saturates_here = not torch.equal(kernel.apply_weights(layer, x).double(), exact_product(codes, scale, x))
+    assert REAL_PROBE.__wrapped__() is saturates_here  # a fresh run, not the cached answer
+    assert REAL_PROBE() is saturates_here
+
+
+def test_split_codes_are_7_bit_and_sum_back():
+    """Both halves fit in [-64, 64], so a uint8 x half pair sum stays in int16 (255 * 64 * 2 = 32640)."""
+    codes = torch.arange(-127, 128, dtype=torch.int8).reshape(1, -1)
+    halves = saturation.split_codes(codes)
+    assert halves.shape == (2, 255) and halves.dtype == torch.int8
+    assert int(halves.abs().max()) == 64 and 255 * 64 * 2 <= torch.iinfo(torch.int16).max
+    assert torch.equal(halves[:1].to(torch.int16) + halves[1:].to(torch.int16), codes.to(torch.int16))
+
+
+def test_saturating_branch_installs_an_exact_split(vllm_kernel, no_amx, monkeypatch):
+    """Forced: the probe reports saturation (a CPU without VNNI). The split GEMM runs on any CPU,
+    and its output must equal the exact product bit for bit (see ``w8a8_problem``)."""
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    assert saturation.apply()
+    assert not saturation.apply()  # once per process
+    codes, scale, x, bias = w8a8_problem()
+    kernel, layer = int8_linear(codes, scale)
+
+    assert kernel.dnnl_handler.n == 2 * N
+    assert isinstance(kernel.linear_method, functools.partial) and kernel.linear_method.func is saturation._apply_split
+    assert torch.equal(getattr(kernel, saturation.SPLIT_SCALE_ATTR), torch.cat([scale, scale]))
+    out = kernel.apply_weights(layer, x, bias)
+    assert out.shape == (2, 3, N) and out.dtype == torch.float32
+    assert torch.equal(out.double(), exact_product(codes, scale, x, bias))
+
+
+@pytest.mark.parametrize("static,symmetric", [(True, True), (False, False)], ids=["static", "asymmetric"])
+def test_saturating_branch_leaves_other_schemes_on_vllm_path(
+    vllm_kernel, no_amx, monkeypatch, caplog, static, symmetric
+):
+    """Forced saturation, but a static or asymmetric scheme: the split only covers dynamic symmetric
+    W8A8, so vLLM's kernel must be built as usual, with a warning."""
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    assert saturation.apply()
+    codes, scale, _, _ = w8a8_problem()
+    with caplog.at_level(logging.WARNING, logger="qurl_verl"):
+        kernel, _ = int8_linear(codes, scale, static=static, symmetric=symmetric)
+    assert kernel.dnnl_handler.n == N and not hasattr(kernel, saturation.SPLIT_SCALE_ATTR)
+    assert kernel.linear_method == kernel._apply_weights_onednn
+    assert "left unpatched" in caplog.text
+
+
+def test_non_saturating_branch_leaves_vllm_kernel_untouched(vllm_kernel, no_amx, monkeypatch):
+    """Forced: the probe reports no saturation (VNNI or AMX). Nothing is wrapped, vLLM builds its own
+    single GEMM; where the real probe agrees (this branch is the host's), that GEMM must be exact."""
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: False)
+    vllm_own = Kernel.process_weights_for_onednn
+    assert not saturation.apply()
+    assert Kernel.process_weights_for_onednn is vllm_own
+    codes, scale, x, bias = w8a8_problem()
+    kernel, layer = int8_linear(codes, scale)
+    assert kernel.dnnl_handler.n == N and not hasattr(kernel, saturation.SPLIT_SCALE_ATTR)
+    assert kernel.linear_method == kernel._apply_weights_onednn
+    if not REAL_PROBE():
+        assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's INT8 kernel choice: sgl (AMX) or oneDNN
+
+
+def _record_post_processing(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(Kernel, "process_weights_for_sgl", lambda self, layer: chosen.append("sgl"))
+    monkeypatch.setattr(Kernel, "process_weights_for_onednn", lambda self, layer: chosen.append("onednn"))
+    return chosen
+
+
+@pytest.mark.parametrize(
+    "amx,arch,symmetric,n,k,path",
+    [
+        (True, CpuArchEnum.X86, True, 48, 128, "sgl"),
+        (False, CpuArchEnum.X86, True, 48, 128, "onednn"),
+        (True, CpuArchEnum.ARM, True, 48, 128, "onednn"),
+        (True, CpuArchEnum.X86, False, 48, 128, "onednn"),
+        (True, CpuArchEnum.X86, True, 40, 128, "onednn"),  # N not a multiple of 16
+        (True, CpuArchEnum.X86, True, 48, 80, "onednn"),  # K not a multiple of 32
+    ],
+)
+def test_int8_kernel_takes_sgl_only_on_x86_amx_symmetric_aligned(monkeypatch, amx, arch, symmetric, n, k, path):
+    """Decision logic only: the sgl kernels need AMX hardware, so both post-processings are stubbed
+    and the test checks which one vLLM picks and which GEMM it will call."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(type(current_platform), "get_cpu_architecture", classmethod(lambda cls: arch))
+    chosen = _record_post_processing(monkeypatch)
+    config = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=symmetric)
+    kernel = Kernel(config, PARAM_NAMES)
+    layer = torch.nn.Module()
+    layer.weight = Parameter(torch.zeros(n, k, dtype=torch.int8), requires_grad=False)
+    kernel.process_weights_after_loading(layer)
+    assert chosen == [path]
+    assert kernel.linear_method == (kernel._apply_weights_sgl if path == "sgl" else kernel._apply_weights_onednn)
+
+
+def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, monkeypatch):
+    """Forced AMX and saturation, both patches installed: an sgl-eligible layer never reaches the
+    wrapped oneDNN post-processing (stubbed sgl, decision logic only), while a misaligned layer on the
+    same host still gets the split, exact as on any other CPU."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(type(current_platform), "get_cpu_architecture", classmethod(lambda cls: CpuArchEnum.X86))
+    monkeypatch.setattr(Kernel, "process_weights_for_sgl", lambda self, layer: setattr(self, "_sgl_ran", True))
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    assert keepalive.apply() and saturation.apply()
+
+    codes, scale, x, bias = w8a8_problem(n=48)
+    kernel, _ = int8_linear(codes, scale)
+    assert kernel._sgl_ran and kernel.linear_method == kernel._apply_weights_sgl
+    assert not hasattr(kernel, saturation.SPLIT_SCALE_ATTR) and not hasattr(kernel, keepalive.KEEPALIVE_ATTR)
+
+    codes, scale, x, bias = w8a8_problem(n=40)
+    kernel, layer = int8_linear(codes, scale)
+    assert not hasattr(kernel, "_sgl_ran") and kernel.dnnl_handler.n == 2 * 40
+    assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm_cpu_onednn_scale_keepalive
+
+
+def _reload_drops_the_scale(layer):
+    """What a layerwise reload leaves behind: the layer holds another scale tensor with the same
+    values, and the one the handler was built on loses the layer's reference."""
+    layer.weight_scale = Parameter(layer.weight_scale.detach().clone(), requires_grad=False)
+    gc.collect()
+    _ = [torch.full((N, 1), float("nan")) for _ in range(16)]  # would reuse freed scale memory
+
+
+def test_keepalive_holds_the_scale_the_handler_was_built_on(vllm_kernel, no_amx, handler_scales):
+    """oneDNN path (no AMX forced): the kernel must reference the very tensor whose pointer the handler
+    stores, so after a reload drops the layer's reference the GEMM still reads valid scales."""
+    assert keepalive.apply()
+    assert not keepalive.apply()  # once per process
+    codes, scale, x, bias = w8a8_problem()
+    kernel, layer = int8_linear(codes, scale)
+    assert getattr(kernel, keepalive.KEEPALIVE_ATTR) is handler_scales[-1]()
+    _reload_drops_the_scale(layer)
+    assert handler_scales[-1]() is not None
+    if not REAL_PROBE():  # the unsplit GEMM is exact only where oneDNN does not saturate
+        assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
+
+
+def test_without_keepalive_the_handler_scale_is_released(vllm_kernel, no_amx, handler_scales):
+    """Why the keep-alive exists (vLLM 0.32): nothing else references the scale the handler points at."""
+    codes, scale, _, _ = w8a8_problem()
+    _, layer = int8_linear(codes, scale)
+    _reload_drops_the_scale(layer)
+    assert handler_scales[-1]() is None
+
+
+def test_split_handler_scale_is_kept_alive(vllm_kernel, no_amx, handler_scales, monkeypatch):
+    """Forced saturation with both patches, in the worker's order: the handler the kernel finally uses
+    is the split one, and the tensor it was built on must survive a reload, output still exact."""
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    assert keepalive.apply() and saturation.apply()
+    codes, scale, x, bias = w8a8_problem()
+    kernel, layer = int8_linear(codes, scale)
+    assert getattr(kernel, saturation.SPLIT_SCALE_ATTR) is handler_scales[-1]()
+    _reload_drops_the_scale(layer)
+    assert handler_scales[-1]() is not None
+    assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm_cpu_tied_lm_head_refresh under each of vLLM's unquantized GEMM dispatches
+
+
+def _tied_model(dtype, vocab=64, hidden=64, tied=True):
+    embed = torch.nn.Module()
+    embed.weight = Parameter(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)).to(dtype),
+                             requires_grad=False)
+    lm_head = torch.nn.Module()
+    lm_head.weight = embed.weight if tied else Parameter(embed.weight.detach().clone(), requires_grad=False)
+    lm_head.quant_method = UnquantizedEmbeddingMethod()
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens, model.lm_head = embed, lm_head
+    return model
+
+
+def _matches(logits, x, weight):
+    """Within the float32 dot-product error bound 2 K U32 sum|x_i w_i| of x @ weight^T (bf16 inputs are
+    exact in float32; vLLM's bf16 kernels accumulate in float32, then round once to bf16)."""
+    x64, w64 = x.double(), weight.double()
+    bound = 2 * x.shape[-1] * 2.0**-24 * (x64.abs() @ w64.abs().t())
+    if logits.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * (x64 @ w64.t()).abs()
+    return bool(((logits.double() - x64 @ w64.t()).abs() <= bound).all())
+
+
+def _packed_copy_stubs(monkeypatch):
+    """sgl-kernel stand-ins (the real ones need AMX): pack = a private copy, linear = float32 GEMM on it."""
+    monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w.detach().clone())
+    monkeypatch.setattr(ops, "weight_packed_linear_cpu",
+                        lambda x, packed, n, bias: (x.float() @ packed.float().t()).to(x.dtype))
+
+
+def _onednn_mm_unavailable(monkeypatch):
+    def create_onednn_mm(weight, primitive_cache_size=128):
+        raise RuntimeError("oneDNN has no matmul for this dtype here")  # as on AVX2 hosts for bf16
+
+    monkeypatch.setattr(ops, "create_onednn_mm", create_onednn_mm)
+
+
+@pytest.mark.parametrize(
+    "dispatch,dtype,stale_until_refresh",
+    [
+        ("onednn", torch.float32, True),  # prepacked copy: fp32 on any x86, bf16 with AVX512-BF16
+        ("sgl", torch.bfloat16, True),  # AMX: packed copy (kernels stubbed)
+        ("fallback", torch.bfloat16, False),  # oneDNN refuses the dtype: F.linear on the live weight
+    ],
+)
+def test_tied_lm_head_refresh_under_each_dispatch(monkeypatch, dispatch, dtype, stale_until_refresh):
+    """A reload writes new values into the shared embedding Parameter. Where vLLM computes the logits
+    from a private copy (oneDNN, sgl) they stay stale until the refresh; where it reads the live weight
+    (F.linear fallback) they are fresh already, and the refresh changes nothing."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: dispatch == "sgl")
+    monkeypatch.setattr(type(current_platform), "is_zen_cpu", lambda self: False)
+    if dispatch == "sgl":
+        _packed_copy_stubs(monkeypatch)
+    if dispatch == "fallback":
+        _onednn_mm_unavailable(monkeypatch)
+    model = _tied_model(dtype)
+    lm_head = lm_head_refresh.tied_lm_head(model)
+    assert lm_head is model.lm_head
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+    assert vllm_layer_utils.check_cpu_sgl_kernel(*lm_head.weight.shape, dtype) is (dispatch == "sgl")
+
+    x = torch.randn(5, lm_head.weight.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
+    old = lm_head.weight.detach().clone()
+    new = (old.float() * -0.5 + 1.0).to(dtype)
+    model.model.embed_tokens.weight.data.copy_(new)  # the layerwise reload's in-place load
+    before = lm_head.quant_method.apply(lm_head, x)
+    assert _matches(before, x, old) is stale_until_refresh
+    assert _matches(before, x, new) is not stale_until_refresh
+
+    assert lm_head_refresh.refresh(model)
+    assert _matches(lm_head.quant_method.apply(lm_head, x), x, new)
+
+
+def test_refresh_skips_an_untied_lm_head(monkeypatch):
+    """Untied: the lm_head is reloaded under its own name, so the refresh must not touch it."""
+    model = _tied_model(torch.float32, tied=False)
+    calls = []
+    monkeypatch.setattr(model.lm_head.quant_method, "process_weights_after_loading", lambda layer: calls.append(layer))
+    assert lm_head_refresh.tied_lm_head(model) is None
+    assert not lm_head_refresh.refresh(model) and calls == []
