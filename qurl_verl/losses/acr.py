@@ -85,6 +85,12 @@ def log_weight_from_is_weights(rollout_is_weights: torch.Tensor, response_mask: 
     """
     mask = response_mask.bool()
     w_or_one = torch.where(mask, rollout_is_weights.detach(), 1.0)  # log(1) = 0 outside the mask
+    non_finite = int((~torch.isfinite(w_or_one)).sum())  # amin() would carry a NaN past the check below
+    if non_finite:
+        raise ValueError(
+            f"rollout_is_weights has {non_finite} non-finite value(s) on response tokens (of {int(mask.sum())}): "
+            "the trainer's or the engine's log-probs were NaN/inf, so pi_prox/pi_behav is undefined"
+        )
     if bool(w_or_one.amin() <= 0):
         raise ValueError(
             "rollout_is_weights has non-positive values on response tokens: the qurl losses need "

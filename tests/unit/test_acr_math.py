@@ -237,6 +237,17 @@ def test_log_weight_recovery_from_verl_weights():
         log_weight_from_is_weights(w_zeroed, mask)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_on_response_tokens_raise_with_their_count(bad):
+    """NaN passes `amin() <= 0` (NaN compares False), so it needs its own check; outside the mask it is ignored."""
+    mask = torch.tensor([[True, True, True, False]])
+    w = torch.tensor([[1.0, bad, bad, bad]])
+    with pytest.raises(ValueError, match=r"2 non-finite value\(s\) on response tokens \(of 3\)"):
+        log_weight_from_is_weights(w, mask)
+    w[0, 1:3] = 0.5
+    assert torch.isfinite(log_weight_from_is_weights(w, mask)).all()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"is_cap": 0.0}, "is_cap"), ({"clip_ratio_c": 1.0}, "clip_ratio_c"), ({"upper_bound_cap": 1.1}, "upper_bound_cap")])
 def test_bad_constants_are_refused(kwargs, match):
