@@ -39,15 +39,23 @@ def _cpu_platform() -> str:
 
     if not cpu_platform_selected():
         return "registered, not selected"
-    from qurl_verl.patches.cpu_platform import cpu_engine_lookup, gloo_backend_dedup, vllm_cpu_unquantized_gemm
+    from qurl_verl.patches.cpu_platform import (
+        cpu_engine_lookup,
+        gloo_backend_dedup,
+        vllm_cpu_unquantized_gemm,
+        weight_sync_ack_timeout,
+    )
 
-    gloo_backend_dedup.apply()
-    cpu_engine_lookup.apply()
+    applied = [name for name, did in (("gloo backend dedup", gloo_backend_dedup.apply()),
+                                      ("engine lookup", cpu_engine_lookup.apply()),
+                                      ("weight-sync ack timeout", weight_sync_ack_timeout.apply())) if did]
     # verl's stock vllm rollout needs its Linear weights kept loadable; qurl_vllm's workers
     # (marked by their server) re-pack them through the layerwise reload instead.
     if os.environ.get(LAYERWISE_RELOAD_WORKER_ENV) != "1":
-        vllm_cpu_unquantized_gemm.apply()
-    return "selected"
+        how = vllm_cpu_unquantized_gemm.apply()
+        if how:
+            applied.append(f"keep-weight gemm dispatch ({how})")
+    return "selected: " + (", ".join(applied) or "nothing new")
 
 
 def _config_checks() -> None:

@@ -28,6 +28,8 @@ from qurl_verl.settings import (
     UaqSettings,
     check_architecture,
     check_cpu_rollout_format,
+    check_fp8_hardware,
+    cuda_capability,
     cpu_platform_selected,
     dry_run,
     problems,
@@ -38,6 +40,7 @@ from qurl_verl.settings import (
 )
 
 logger = logging.getLogger("qurl_verl")
+
 
 
 def on_validate_config(cfg: Any, log=print) -> QurlSettings | None:
@@ -201,6 +204,7 @@ def check_config(cfg: Any) -> QurlSettings:
         archs = model_architectures(select(cfg, MODEL_PATH_KEY))
         if archs is not None:
             check_architecture(archs, model=str(select(cfg, MODEL_PATH_KEY)))
+        check_fp8_hardware(settings.rollout, cuda_capability())  # the servers check again on their GPUs
         if cpu_platform_selected() or select(cfg, "trainer.device") == "cpu":
             import torch
 
@@ -212,10 +216,70 @@ def check_config(cfg: Any) -> QurlSettings:
             f"{UAQ_KEY}.enable=true without {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: UAQ exists for the quantized rollout; "
             f"set {UAQ_KEY}.enable=false or {ROLLOUT_NAME_KEY}={ROLLOUT_NAME} with {QUANTIZATION_KEY}=int8"
         )
+    check_uaq_layout(cfg, settings.uaq)
     return settings
 
 
 # ---------------------------------------------------------------------------------- UAQ
+def check_uaq_layout(cfg: Any, uaq: UaqSettings) -> None:
+    """UAQ on several nodes needs shared storage; a resumed run must carry the UAQ it was trained with."""
+    nnodes = select(cfg, "trainer.nnodes", 1)
+    if uaq.enable and isinstance(nnodes, int) and nnodes > 1 and not uaq.cache_dir:
+        raise QurlConfigError(
+            f"trainer.nnodes={nnodes} with UAQ: the driver writes the converted checkpoint and every node's workers "
+            f"read it, so it must be on storage all nodes share; set {UAQ_KEY}.cache_dir=<shared folder> (or convert "
+            f"once with `python -m qurl_verl.quant.uaq_convert` onto shared storage, point {MODEL_PATH_KEY} at it)"
+        )
+    resumed = resumed_checkpoint_config(cfg)
+    if resumed is None:
+        return
+    folder, record = resumed
+    if record is None and uaq.enable:
+        raise QurlConfigError(
+            f"resuming from {folder}, which was trained without UAQ, with {UAQ_KEY}.enable=true: verl reloads those "
+            f"weights over the converted checkpoint, so the run would silently lose UAQ; set {UAQ_KEY}.enable=false, "
+            "or start in a new trainer.default_local_dir"
+        )
+    if record is not None and not uaq.enable:
+        raise QurlConfigError(
+            f"resuming from {folder}, trained with UAQ ({record}), with {UAQ_KEY}.enable=false: the weights stay "
+            f"re-parametrised, and the config would describe another run; set {UAQ_KEY}.enable=true with "
+            f"{UAQ_KEY}.scale={record.get('scale')} and {UAQ_KEY}.targets={show(list(record.get('targets') or []))}"
+        )
+    if record is not None and (abs(float(record.get("scale", 0)) - uaq.scale) > 1e-12
+                               or sorted(record.get("targets") or []) != sorted(uaq.targets)):
+        raise QurlConfigError(
+            f"resuming from {folder}, trained with UAQ {record}, but {UAQ_KEY}.scale={uaq.scale:g} and "
+            f"{UAQ_KEY}.targets={show(list(uaq.targets))}: set them to the checkpoint's values"
+        )
+
+
+def resumed_checkpoint_config(cfg: Any) -> tuple[Path, dict | None] | None:
+    """(checkpoint folder, its UAQ record) of the verl checkpoint the trainer will resume from, if any.
+
+    Follows verl 0.9.1's ``_load_checkpoint``: ``trainer.resume_mode`` auto reads
+    ``latest_checkpointed_iteration.txt`` in ``trainer.default_local_dir``; ``resume_path`` takes
+    ``trainer.resume_from_path``. The record is in the HF config verl saves beside the actor shards.
+    """
+    mode = select(cfg, "trainer.resume_mode", "auto")
+    if mode == "auto":
+        base = select(cfg, "trainer.default_local_dir")
+        if not base:
+            return None
+        tracker = Path(os.path.abspath(os.path.expanduser(str(base)))) / "latest_checkpointed_iteration.txt"
+        if not tracker.is_file():
+            return None
+        folder = tracker.parent / f"global_step_{int(tracker.read_text().strip())}"
+    elif mode == "resume_path" and select(cfg, "trainer.resume_from_path"):
+        folder = Path(os.path.abspath(os.path.expanduser(str(select(cfg, "trainer.resume_from_path")))))
+    else:
+        return None
+    hf_folder = folder / "actor" / "huggingface"
+    if not (hf_folder / "config.json").is_file():
+        return None
+    from qurl_verl.uaq_checkpoint import uaq_record_of
+
+    return folder, uaq_record_of(hf_folder)
 def prepare_config(cfg: Any, uaq: UaqSettings, log=print) -> None:
     """The one change qurl-verl makes to a checked config: point the actor at its UAQ checkpoint.
 

@@ -278,6 +278,30 @@ def check_cpu_rollout_format(settings: RolloutSettings, amx: bool) -> str | None
     return None
 
 
+# FP8 W8A8 needs FP8 tensor cores (Ada/Hopper, compute capability 8.9+); below that vLLM's
+# compressed-tensors silently falls back to weight-only FP8, which leaves activations unquantized.
+MIN_FP8_CAPABILITY = (8, 9)
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """This process's first visible CUDA GPU's compute capability; None without CUDA."""
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+
+
+def check_fp8_hardware(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:
+    """Refuse FP8 rollout on a CUDA GPU whose ``capability`` (major, minor) is below 8.9 (A100, A6000)."""
+    if capability is None or not settings.quantized or settings.format is RolloutFormat.INT8:
+        return
+    if tuple(capability) < MIN_FP8_CAPABILITY:
+        raise QurlConfigError(
+            f"{QUANTIZATION_KEY}={settings.format.value} needs FP8 tensor cores (compute capability >= 8.9: L40S, H100, "
+            f"H200, B200); this GPU has {capability[0]}.{capability[1]}, where vLLM would run weight-only FP8 (W8A16) and "
+            f"leave activations in bf16. Use {QUANTIZATION_KEY}=int8 (the int8 / tis_int8 presets)."
+        )
+
+
 # ---------------------------------------------------------------------------------- loss
 class LossMode(str, enum.Enum):
     ACR = "qurl_acr"  # Adaptive Clipping Range, paper Eq. 9

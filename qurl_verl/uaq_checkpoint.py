@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
+from qurl_verl.quant.uaq import CONFIG_KEY, DEFAULT_UAQ_TARGETS
 from qurl_verl.settings import DEFAULT_UAQ_SCALE
 
 DEFAULT_CACHE = Path(os.environ.get("QURL_CACHE_DIR", Path.home() / ".cache" / "qurl_verl")) / "uaq"
@@ -26,7 +26,7 @@ DEFAULT_CACHE = Path(os.environ.get("QURL_CACHE_DIR", Path.home() / ".cache" / "
 
 def uaq_record_of(model_dir: str | Path) -> dict | None:
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return cfg.get("qurl_uaq")
+    return cfg.get(CONFIG_KEY)
 
 
 def _fingerprint(model_dir: Path, scale: float, targets: list[str]) -> str:

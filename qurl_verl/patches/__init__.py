@@ -8,6 +8,7 @@
 | ``vllm_cpu_worker`` | only inside a ``qurl_vllm`` vLLM worker on a CPU (some only on some CPUs) | the worker extension |
 | ``install`` | once, by the install script (``python -m ...``) | the user |
 
+``on_import`` lets a patch take effect whether or not its upstream module is imported yet.
 Each module names the versions it targets, why it exists, and when it does nothing; each has a
 test that fails when the upstream behaviour it works around changes.
 """

@@ -24,13 +24,14 @@ import ray
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
-from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings, check_architecture
+from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings, check_architecture, check_fp8_hardware, cuda_capability
 
 
 class QurlvLLMHttpServer(vLLMHttpServer):
     def _apply_quantization(self):
         settings = RolloutSettings.from_rollout_config(self.config)
         check_architecture(getattr(self.model_config.hf_config, "architectures", None), self.model_config.path)
+        check_fp8_hardware(settings, cuda_capability())
         return settings.engine_quantization()
 
     def _get_worker_extension_cls(self) -> str:

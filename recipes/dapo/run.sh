@@ -21,6 +21,8 @@
 #   VAL_N [32]       samples per AIME problem (Avg@32)
 #   STEPS [200]      training steps (verl's 7B DAPO run; the paper shows curves to about 1,200)
 #   NNODES [8 | 16], NGPUS_PER_NODE [8], OUT [outputs/dapo/$SIZE-$PRESET]
+#   UAQ_CACHE_DIR [$OUT/uaq-cache]   where the driver writes the UAQ checkpoint: on several nodes it
+#                    must be a folder every node reads (the driver refuses a multi-node run without it)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -44,9 +46,12 @@ max_len=$((prompt_len + response_len))
 val_n="${VAL_N:-32}"
 nnodes="${NNODES:-$nnodes_default}"
 gpus="${NGPUS_PER_NODE:-8}"
+uaq_args=()
+if [[ "$preset" != none ]]; then uaq_args=("++qurl.uaq.cache_dir=${UAQ_CACHE_DIR:-$out/uaq-cache}"); fi
 
 args=(
   "${preset_args[@]}"
+  "${uaq_args[@]}"
   algorithm.adv_estimator=grpo
   algorithm.use_kl_in_reward=false
   algorithm.filter_groups.enable=true

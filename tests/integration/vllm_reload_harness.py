@@ -32,6 +32,7 @@ def engine_env() -> dict[str, str]:
     paths = (str(REPO), str(HERE), os.environ.get("PYTHONPATH"))
     return {
         "VERL_PLATFORM": "cpu",
+        "QURL_VLLM_LAYERWISE_RELOAD": "1",  # as the qurl_vllm server marks its engines
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VERL_RAY_JOB_ID": JOB_ID,
         "PYTHONPATH": os.pathsep.join(p for p in paths if p),

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import os
 
-from qurl_verl.patches.cpu_platform.vllm_cpu_unquantized_gemm import patch_now_or_on_import
+from qurl_verl.patches.on_import import patch_now_or_on_import
 
 TARGET_MODULE = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
 ACK_TIMEOUT_ENV = "QURL_WEIGHT_SYNC_ACK_TIMEOUT_S"
