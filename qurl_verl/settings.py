@@ -155,7 +155,8 @@ class RolloutFormat(str, enum.Enum):
 
 DEFAULT_ROLLOUT_FORMAT = RolloutFormat.INT8
 DEFAULT_CODE_CHANGE_ROW_STRIDE = 8
-ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride")
+DEFAULT_WEIGHT_BITS = 8
+ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride", "weight_bits")
 
 # Dense decoders whose linear layers are the seven *_proj projections the weight stream quantizes
 # and that vLLM fuses as qkv_proj / gate_up_proj. The CPU tests exercise Qwen2.
@@ -171,11 +172,16 @@ class RolloutSettings:
         ``ignore`` syntax (exact module name or ``re:<regex>``); ``lm_head`` always is.
     code_change_row_stride: ``custom.qurl.code_change_row_stride``, track the share of 8-bit codes
         each sync changes on every Nth row of each quantized weight (0 = off).
+    weight_bits: ``custom.qurl.weight_bits`` (int8 only), weight codes within ±(2^(b-1)-1), b = 4..8:
+        an exact W{b}A8 model in the same INT8 kernel. A research setting (more rollout mismatch,
+        the step toward 4-bit rollout), and b = 7 keeps oneDNN's INT8 GEMM exact in one pass on
+        CPUs without VNNI. Not a speed-up on GPUs.
     """
 
     format: RolloutFormat = DEFAULT_ROLLOUT_FORMAT
     ignore: tuple[str, ...] = ()
     code_change_row_stride: int = DEFAULT_CODE_CHANGE_ROW_STRIDE
+    weight_bits: int = DEFAULT_WEIGHT_BITS
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, RolloutFormat):
@@ -191,6 +197,14 @@ class RolloutSettings:
             raise QurlConfigError(
                 f"{ROLLOUT_CUSTOM_KEY}.code_change_row_stride={show(stride)}: must be an integer >= 0 (0 = off)"
             )
+        bits = self.weight_bits
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 4 <= bits <= 8:
+            raise QurlConfigError(f"{ROLLOUT_CUSTOM_KEY}.weight_bits={show(bits)}: must be an integer from 4 to 8 (default 8)")
+        if bits != DEFAULT_WEIGHT_BITS and self.format is not RolloutFormat.INT8:
+            raise QurlConfigError(
+                f"{ROLLOUT_CUSTOM_KEY}.weight_bits={bits} with {QUANTIZATION_KEY}={self.format.value}: narrower codes "
+                f"exist for integer weights only; set {QUANTIZATION_KEY}=int8 or remove weight_bits"
+            )
         if any(not isinstance(p, str) or not p for p in self.ignore):
             raise QurlConfigError(
                 f"{ROLLOUT_CUSTOM_KEY}.ignore={show(list(self.ignore))}: must be a list of module names or 're:' patterns"
@@ -199,6 +213,13 @@ class RolloutSettings:
     @property
     def quantized(self) -> bool:
         return self.format.quantized
+
+    @property
+    def quant_format(self) -> str | None:
+        """The ``qurl_verl.quant`` format of the weight codes (``int<b>``, ``fp8``), None for bf16."""
+        if self.format is RolloutFormat.INT8:
+            return f"int{self.weight_bits}"
+        return self.format.quant_format
 
     @property
     def ignore_patterns(self) -> tuple[str, ...]:
@@ -235,12 +256,14 @@ class RolloutSettings:
             format=DEFAULT_ROLLOUT_FORMAT if fmt is None else fmt,
             ignore=(ignore,) if isinstance(ignore, str) else tuple(ignore),
             code_change_row_stride=custom.get("code_change_row_stride", DEFAULT_CODE_CHANGE_ROW_STRIDE),
+            weight_bits=custom.get("weight_bits", DEFAULT_WEIGHT_BITS),
         )
 
     @classmethod
-    def from_quantization_config(cls, config: Mapping | None) -> RolloutSettings:
+    def from_quantization_config(cls, config: Mapping | None, weight_bits: int = DEFAULT_WEIGHT_BITS) -> RolloutSettings:
         """Recover the settings from the engine's own ``quantization_config``: the vLLM worker
-        quantizes exactly what the engine was built to run, whatever process built it."""
+        quantizes exactly what the engine was built to run, whatever process built it. The INT8
+        kernel is the same for every ``weight_bits``, so the trainer side sends that one with each sync."""
         if not config:
             return cls(format=RolloutFormat.BF16)
         group = config["config_groups"]["group_0"]["weights"]
@@ -251,7 +274,8 @@ class RolloutSettings:
         }.get((group["type"], group["strategy"]))
         if fmt is None or config.get("quant_method") != "compressed-tensors":
             raise ValueError(f"not a {ROLLOUT_NAME} quantization_config: {str(config)[:300]}")
-        return cls(format=fmt, ignore=tuple(p for p in config.get("ignore", ()) if p not in DEFAULT_IGNORE))
+        return cls(format=fmt, ignore=tuple(p for p in config.get("ignore", ()) if p not in DEFAULT_IGNORE),
+                   weight_bits=weight_bits if fmt is RolloutFormat.INT8 else DEFAULT_WEIGHT_BITS)
 
 
 def check_architecture(architectures: Iterable[str] | None, model: str = "the model") -> None:

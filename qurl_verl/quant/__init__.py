@@ -10,7 +10,7 @@ from .compressed_tensors_format import (
     is_quantization_target,
     quantize_state_dict,
 )
-from .formats import FP8_E4M3, INT8, QuantFormat, resolve_format
+from .formats import FP8_E4M3, INT8, QuantFormat, activation_format, int_format, resolve_format
 from .linear import W8A8Linear, quantize_linear_modules_
 from .matmul import fp8_scaled_matmul, int8_matmul_accumulate, w8a8_linear, w8a8_linear_reference
 from .quantizer import QuantizedTensor, fake_quantize, quantize
@@ -28,12 +28,14 @@ __all__ = [
     "UpdateStats",
     "UpdateVisibilityTracker",
     "W8A8Linear",
+    "activation_format",
     "apply_uaq",
     "apply_uaq_to_state_dict",
     "compressed_tensors_config",
     "fake_quantize",
     "fp8_scaled_matmul",
     "int8_matmul_accumulate",
+    "int_format",
     "is_quantization_target",
     "quantize",
     "quantize_linear_modules_",

@@ -25,7 +25,30 @@ INT8 = QuantFormat("int8", torch.int8, 127.0, "int", "int-quantized")
 # E4M3 "fn": no infinities, largest finite value 448, 3 mantissa bits.
 FP8_E4M3 = QuantFormat("fp8", torch.float8_e4m3fn, 448.0, "float", "float-quantized")
 
-FORMATS = {"int8": INT8, "fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3}
+MIN_INT_BITS, MAX_INT_BITS = 4, 8
+
+
+def int_format(bits: int) -> QuantFormat:
+    """Symmetric b-bit integer codes, ±(2^(b-1) - 1), stored as int8 with ``scale = absmax / qmax``.
+
+    Every b <= 8 runs through the same INT8 W8A8 kernel, so b < 8 is an exact W{b}A8 model, not
+    an emulation: a research setting for larger rollout mismatch (and 4-bit rollout), and, at
+    b = 7, codes whose pairwise u8 x s8 products cannot saturate oneDNN's 16-bit sums on CPUs
+    without VNNI (255 * 63 * 2 = 32130 < 2^15).
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_INT_BITS <= bits <= MAX_INT_BITS:
+        raise ValueError(f"integer weight codes take {MIN_INT_BITS}..{MAX_INT_BITS} bits, got {bits!r}")
+    if bits == 8:
+        return INT8
+    return QuantFormat(f"int{bits}", torch.int8, float(2 ** (bits - 1) - 1), "int", "int-quantized")
+
+
+def activation_format(weight_fmt: QuantFormat) -> QuantFormat:
+    """Activations are always 8-bit in W{b}A8: INT8 beside any integer weight codes, else FP8."""
+    return INT8 if weight_fmt.dtype == torch.int8 else FP8_E4M3
+
+
+FORMATS = {"fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3, **{f"int{b}": int_format(b) for b in range(MIN_INT_BITS, MAX_INT_BITS + 1)}}
 
 # Weight granularities act on a 2-D [out_features, in_features] matrix;
 # activation granularities act on the last dimension of any tensor.

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compressed_tensors_format import DEFAULT_IGNORE, TargetSpec, is_quantization_target
-from .formats import ACTIVATION_FOR_WEIGHT, DEFAULT_BLOCK_SIZE, WEIGHT_GRANULARITIES, resolve_format
+from .formats import ACTIVATION_FOR_WEIGHT, DEFAULT_BLOCK_SIZE, WEIGHT_GRANULARITIES, activation_format, resolve_format
 from .matmul import w8a8_linear
 from .quantizer import QuantizedTensor, fake_quantize, quantize
 
@@ -80,7 +80,7 @@ class W8A8Linear(nn.Module):
         if not self.fake:
             return w8a8_linear(x, qw, bias=self.bias, out_dtype=x.dtype)
         act = ACTIVATION_FOR_WEIGHT[self.granularity]
-        x_fq = fake_quantize(x.to(torch.float32), self.fmt, act, block_size=self.block_size)
+        x_fq = fake_quantize(x.to(torch.float32), activation_format(self.fmt), act, block_size=self.block_size)
         bias = None if self.bias is None else self.bias.to(torch.float32)
         return F.linear(x_fq, qw.dequantize(torch.float32), bias).to(x.dtype)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import ACTIVATION_FOR_WEIGHT
+from .formats import ACTIVATION_FOR_WEIGHT, activation_format
 from .quantizer import QuantizedTensor, quantize
 
 
@@ -81,8 +81,8 @@ def w8a8_linear(
         raise ValueError(f"input has {x.shape[-1]} features, weight expects {qw.shape[1]}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    rescaled = _int8_rescaled if qw.fmt.name == "int8" else _fp8_rescaled
-    qx = quantize(x2, qw.fmt, ACTIVATION_FOR_WEIGHT[qw.granularity], block_size=qw.block_size)
+    rescaled = _int8_rescaled if qw.fmt.dtype == torch.int8 else _fp8_rescaled
+    qx = quantize(x2, activation_format(qw.fmt), ACTIVATION_FOR_WEIGHT[qw.granularity], block_size=qw.block_size)
     if qw.granularity == "channel":
         out = rescaled(qx.data, qx.scale, qw.data, qw.scale)
     else:

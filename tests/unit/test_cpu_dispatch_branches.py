@@ -155,6 +155,21 @@ def test_saturating_branch_installs_an_exact_split(vllm_kernel, no_amx, monkeypa
     assert torch.equal(out.double(), exact_product(codes, scale, x, bias))
 
 
+def test_saturating_branch_keeps_one_gemm_for_7_bit_codes(vllm_kernel, no_amx, monkeypatch):
+    """Forced saturation, codes within ±63 (``weight_bits=7``): they cannot saturate, so vLLM's single
+    GEMM is kept, and must still equal the exact product; a layer with one code of 64 is split."""
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    assert saturation.apply()
+    codes, scale, x, bias = w8a8_problem()
+    narrow = codes.clamp(-saturation.SATURATION_FREE_CODE_MAX, saturation.SATURATION_FREE_CODE_MAX)
+    kernel, layer = int8_linear(narrow, scale)
+    assert kernel.dnnl_handler.n == N and kernel.linear_method == kernel._apply_weights_onednn
+    assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(narrow, scale, x, bias))
+    wide = narrow.clone()
+    wide[0, 0] = saturation.SATURATION_FREE_CODE_MAX + 1
+    assert int8_linear(wide, scale)[0].dnnl_handler.n == 2 * N
+
+
 @pytest.mark.parametrize("static,symmetric", [(True, True), (False, False)], ids=["static", "asymmetric"])
 def test_saturating_branch_leaves_other_schemes_on_vllm_path(
     vllm_kernel, no_amx, monkeypatch, caplog, static, symmetric

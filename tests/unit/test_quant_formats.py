@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from qurl_verl.quant import quantize
+from qurl_verl.quant import FP8_E4M3, INT8, quantize
 from qurl_verl.quant.quantizer import MIN_SCALE
 
 QWEN_05B_SHAPES = [(896, 4864), (128, 896)]  # Qwen2-0.5B down_proj and k/v_proj
@@ -172,7 +172,7 @@ def test_weight_granularities_reject_non_2d(granularity, shape):
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="format"):
-        quantize(torch.randn(4, 4), "int4", "channel")
+        quantize(torch.randn(4, 4), "int3", "channel")
     with pytest.raises(ValueError, match="granularity"):
         quantize(torch.randn(4, 4), "int8", "row")
     with pytest.raises(TypeError):
@@ -221,7 +221,7 @@ def test_quant_package_imports_only_torch_and_safetensors():
 
     import qurl_verl.quant as pkg
 
-    allowed = {"torch", "safetensors", "__future__", "argparse", "collections", "dataclasses", "json", "math",
+    allowed = {"torch", "safetensors", "__future__", "argparse", "collections", "dataclasses", "functools", "json", "math",
                "re", "shutil", "sys", "pathlib", "typing"}
     for path in Path(pkg.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -232,3 +232,28 @@ def test_quant_package_imports_only_torch_and_safetensors():
             else:
                 continue
             assert roots <= allowed, f"{path.name} imports {roots - allowed}"
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 7, 8])
+def test_b_bit_codes_match_a_float64_reference(bits):
+    """W{b}A8 weights: codes round(w / s) within ±(2^(b-1)-1), s = absmax / (2^(b-1)-1), stored as int8."""
+    w = randw(48, 80, seed=bits)
+    q = quantize(w, f"int{bits}", "channel")
+    qmax = 2 ** (bits - 1) - 1
+    w64 = w.double()
+    scale = w64.abs().amax(dim=1, keepdim=True) / qmax
+    torch.testing.assert_close(q.scale.double(), scale, rtol=2 ** -23, atol=0)  # one float32 rounding
+    expected = torch.round(w64 / q.scale.double()).clamp(-qmax, qmax)
+    assert q.data.dtype == torch.int8 and int(q.data.abs().max()) == qmax
+    assert torch.equal(q.data.double(), expected)
+    assert ((q.dequantize(torch.float64) - w64).abs() <= q.scale.double() / 2 * (1 + 2 ** -20)).all()
+
+
+def test_b_bit_activations_stay_8_bit():
+    """In W{b}A8 only the weight grid shrinks: the activation format of any integer weight is INT8."""
+    from qurl_verl.quant import activation_format, int_format
+
+    assert all(activation_format(int_format(b)) is INT8 for b in range(4, 9))
+    assert activation_format(FP8_E4M3) is FP8_E4M3
+    with pytest.raises(ValueError, match="4..8 bits"):
+        int_format(9)

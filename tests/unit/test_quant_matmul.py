@@ -158,3 +158,18 @@ def test_module_swap_matches_compressed_tensors_emission(tiny_causal_lm):
     assert set(emitted) == set(state)
     for name, tensor in emitted.items():
         assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+
+
+@pytest.mark.parametrize("bits", [4, 7])
+def test_b_bit_weights_through_the_int8_kernel_equal_the_exact_product(bits):
+    """A W{b}A8 linear is the INT8 kernel on narrower codes: exact int32 accumulation, then the two scales."""
+    from qurl_verl.quant import w8a8_linear
+
+    g = torch.Generator().manual_seed(bits)
+    w, x = torch.randn(24, 64, generator=g), torch.randn(5, 64, generator=g)
+    qw = quantize(w, f"int{bits}", "channel")
+    qx = quantize(x, "int8", "token")  # activations stay 8-bit
+    exact = (qx.data.double() @ qw.data.double().T) * qx.scale.double() * qw.scale.double().T
+    out = w8a8_linear(x, qw, out_dtype=torch.float64)
+    # float32 rescaling of an exact int32 sum: two float32 roundings relative to the output
+    torch.testing.assert_close(out, exact, rtol=4 * 2 ** -24, atol=1e-30)

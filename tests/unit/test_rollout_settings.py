@@ -154,3 +154,22 @@ def test_code_change_tracking_defaults_on_and_can_be_turned_off():
 def test_code_change_row_stride_must_be_a_count():
     with pytest.raises(QurlConfigError, match="code_change_row_stride=-1: must be an integer >= 0"):
         RolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_row_stride": -1}))
+
+
+@pytest.mark.parametrize("bits", [4, 7, 8])
+def test_weight_bits_select_the_integer_code_width(bits):
+    s = RolloutSettings.from_rollout_config(rollout_node("int8", {"weight_bits": bits}))
+    assert (s.weight_bits, s.quant_format) == (bits, f"int{bits}")
+    # the engine runs the same INT8 W8A8 kernel for every width: its config does not change
+    assert s.quantization_config() == RolloutSettings(format="int8").quantization_config()
+    assert RolloutSettings.from_quantization_config(s.quantization_config(), weight_bits=bits) == s
+
+
+@pytest.mark.parametrize("node, match", [
+    (rollout_node("int8", {"weight_bits": 3}), r"weight_bits=3: must be an integer from 4 to 8"),
+    (rollout_node("int8", {"weight_bits": True}), r"weight_bits=true: must be an integer"),
+    (rollout_node("fp8", {"weight_bits": 7}), r"weight_bits=7 with actor_rollout_ref.rollout.quantization=fp8"),
+])
+def test_bad_weight_bits_name_the_key_and_the_fix(node, match):
+    with pytest.raises(QurlConfigError, match=match):
+        RolloutSettings.from_rollout_config(node)

@@ -16,7 +16,8 @@ oneDNN GEMM over the stacked [2N, K] weight with float32 output and add the two 
 is added after the sum. Results equal the exact int32 product up to float32 rounding. Cost: twice
 the GEMM work and prepacking. Applied only when a probe GEMM with all-127 codes shows saturation,
 and only to the dynamic symmetric per-token scheme (the one ``qurl_vllm`` builds); other schemes
-keep vLLM's path and a warning.
+keep vLLM's path and a warning. A layer whose codes already fit in 7 bits (``weight_bits<=7``,
+|code| <= 63: 255 * 63 * 2 = 32130 fits) cannot saturate and keeps vLLM's single GEMM.
 
 When vLLM handles this itself, ``tests/integration/test_vllm_cpu_reload_patches.py`` (which checks
 that the unpatched kernel is wrong here) fails and this module can go.
@@ -33,6 +34,8 @@ logger = logging.getLogger("qurl_verl")
 TARGET_VERSIONS = ("0.32.0",)
 _MARK = "_qurl_int8_split"
 SPLIT_SCALE_ATTR = "_qurl_split_weight_scale"  # keeps the scale the split handler points at alive
+# Largest |code| whose u8 x s8 pair sums fit oneDNN's int16 intermediates: 2 * 255 * 63 <= 32767.
+SATURATION_FREE_CODE_MAX = 63
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,8 +92,11 @@ def apply() -> bool:
             logger.warning("qurl-verl: oneDNN int8 saturates on this CPU; static/asymmetric W8A8 left unpatched")
             return original(self, layer)
         w_name, s_name, _, _, _ = self.layer_param_names
+        codes = getattr(layer, w_name)
+        if int(codes.abs().amax()) <= SATURATION_FREE_CODE_MAX:
+            return original(self, layer)  # narrow codes: the single GEMM is exact (vLLM reset linear_method)
         # [N, K] codes; taken first: the original transposes the Parameter in place and drops it
-        split = split_codes(getattr(layer, w_name))
+        split = split_codes(codes)
         original(self, layer)
         from vllm import _custom_ops as ops
 
