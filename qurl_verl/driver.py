@@ -224,7 +224,7 @@ def check_config(cfg: Any) -> QurlSettings:
 def check_uaq_layout(cfg: Any, uaq: UaqSettings) -> None:
     """UAQ on several nodes needs shared storage; a resumed run must carry the UAQ it was trained with."""
     nnodes = select(cfg, "trainer.nnodes", 1)
-    if uaq.enable and isinstance(nnodes, int) and nnodes > 1 and not uaq.cache_dir:
+    if uaq.enable and isinstance(nnodes, int) and nnodes > 1 and not uaq.cache_dir and not carries_uaq(cfg):
         raise QurlConfigError(
             f"trainer.nnodes={nnodes} with UAQ: the driver writes the converted checkpoint and every node's workers "
             f"read it, so it must be on storage all nodes share; set {UAQ_KEY}.cache_dir=<shared folder> (or convert "
@@ -252,6 +252,16 @@ def check_uaq_layout(cfg: Any, uaq: UaqSettings) -> None:
             f"resuming from {folder}, trained with UAQ {record}, but {UAQ_KEY}.scale={uaq.scale:g} and "
             f"{UAQ_KEY}.targets={show(list(uaq.targets))}: set them to the checkpoint's values"
         )
+
+
+def carries_uaq(cfg: Any) -> bool:
+    """``model.path`` is a local checkpoint already converted (used as it is, nothing written)."""
+    path = Path(os.path.expanduser(str(select(cfg, MODEL_PATH_KEY, ""))))
+    if not (path / "config.json").is_file():
+        return False
+    from qurl_verl.uaq_checkpoint import uaq_record_of
+
+    return uaq_record_of(path) is not None
 
 
 def resumed_checkpoint_config(cfg: Any) -> tuple[Path, dict | None] | None:

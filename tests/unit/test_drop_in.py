@@ -151,3 +151,10 @@ def test_resume_path_mode_reads_the_named_step(tmp_path):
                               f"trainer.resume_from_path={tmp_path}/ckpts/global_step_7"])
     with pytest.raises(QurlConfigError, match="global_step_7, which was trained without UAQ"):
         driver.check_config(cfg)
+
+
+def test_a_checkpoint_already_converted_needs_no_shared_cache(tmp_path):
+    """Nothing is written when model.path carries UAQ, so eight nodes can read it where it is."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "qurl_uaq": RECORD}))
+    overrides = [o for o in DAPO_SCRIPT if not o.startswith("actor_rollout_ref.model.path=")]
+    driver.check_config(compose_ppo_config([*overrides, "+qurl=int8", f"actor_rollout_ref.model.path={tmp_path}"]))
