@@ -144,6 +144,10 @@ class RolloutFormat(str, enum.Enum):
         return self is not RolloutFormat.BF16
 
     @property
+    def code_change_max_bytes(self) -> int:
+        return int(self.code_change_max_mb * 2**20)
+
+    @property
     def quant_format(self) -> str | None:
         """The ``qurl_verl.quant`` format name, None for bf16."""
         return {RolloutFormat.INT8: "int8", RolloutFormat.FP8: "fp8", RolloutFormat.FP8_BLOCK: "fp8"}.get(self)
@@ -156,7 +160,8 @@ class RolloutFormat(str, enum.Enum):
 DEFAULT_ROLLOUT_FORMAT = RolloutFormat.INT8
 DEFAULT_CODE_CHANGE_ROW_STRIDE = 8
 DEFAULT_WEIGHT_BITS = 8
-ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride", "weight_bits")
+DEFAULT_CODE_CHANGE_MAX_MB = 256  # host memory of the tracker per vLLM worker; the stride rises to fit
+ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride", "code_change_max_mb", "weight_bits")
 
 # Dense decoders whose linear layers are the seven *_proj projections the weight stream quantizes
 # and that vLLM fuses as qkv_proj / gate_up_proj. The CPU tests exercise Qwen2.
@@ -172,6 +177,8 @@ class RolloutSettings:
         ``ignore`` syntax (exact module name or ``re:<regex>``); ``lm_head`` always is.
     code_change_row_stride: ``custom.qurl.code_change_row_stride``, track the share of 8-bit codes
         each sync changes on every Nth row of each quantized weight (0 = off).
+    code_change_max_mb: ``custom.qurl.code_change_max_mb``, host memory (MiB) the tracker may hold in
+        each vLLM worker (never accelerator memory); the row stride is raised, in powers of two, to fit.
     weight_bits: ``custom.qurl.weight_bits`` (int8 only), weight codes within ±(2^(b-1)-1), b = 4..8:
         an exact W{b}A8 model in the same INT8 kernel. A research setting (more rollout mismatch,
         the step toward 4-bit rollout), and b = 7 keeps oneDNN's INT8 GEMM exact in one pass on
@@ -181,6 +188,7 @@ class RolloutSettings:
     format: RolloutFormat = DEFAULT_ROLLOUT_FORMAT
     ignore: tuple[str, ...] = ()
     code_change_row_stride: int = DEFAULT_CODE_CHANGE_ROW_STRIDE
+    code_change_max_mb: float = DEFAULT_CODE_CHANGE_MAX_MB
     weight_bits: int = DEFAULT_WEIGHT_BITS
 
     def __post_init__(self) -> None:
@@ -196,6 +204,11 @@ class RolloutSettings:
         if isinstance(stride, bool) or not isinstance(stride, int) or stride < 0:
             raise QurlConfigError(
                 f"{ROLLOUT_CUSTOM_KEY}.code_change_row_stride={show(stride)}: must be an integer >= 0 (0 = off)"
+            )
+        if not _is_number(self.code_change_max_mb) or self.code_change_max_mb <= 0:
+            raise QurlConfigError(
+                f"{ROLLOUT_CUSTOM_KEY}.code_change_max_mb={show(self.code_change_max_mb)}: must be a number > 0 "
+                f"(MiB of host memory per rollout worker; default {DEFAULT_CODE_CHANGE_MAX_MB})"
             )
         bits = self.weight_bits
         if isinstance(bits, bool) or not isinstance(bits, int) or not 4 <= bits <= 8:
@@ -213,6 +226,10 @@ class RolloutSettings:
     @property
     def quantized(self) -> bool:
         return self.format.quantized
+
+    @property
+    def code_change_max_bytes(self) -> int:
+        return int(self.code_change_max_mb * 2**20)
 
     @property
     def quant_format(self) -> str | None:
@@ -256,6 +273,7 @@ class RolloutSettings:
             format=DEFAULT_ROLLOUT_FORMAT if fmt is None else fmt,
             ignore=(ignore,) if isinstance(ignore, str) else tuple(ignore),
             code_change_row_stride=custom.get("code_change_row_stride", DEFAULT_CODE_CHANGE_ROW_STRIDE),
+            code_change_max_mb=custom.get("code_change_max_mb", DEFAULT_CODE_CHANGE_MAX_MB),
             weight_bits=custom.get("weight_bits", DEFAULT_WEIGHT_BITS),
         )
 

@@ -12,6 +12,10 @@ For a targeted weight W_prev -> W_new quantized with the rollout's format and gr
 Aggregates (per projection type, overall) pool counts and squared norms before dividing, so the
 overall ratio is sqrt(sum ||dW||^2) / sqrt(sum ||E||^2) over all targeted tensors.
 Everything is vectorised per tensor and can run name by name while weights stream.
+
+``UpdateVisibilityTracker`` does so across syncs. Its state outlives every sync, so it lives in
+CPU memory, compact (a row sample, kept exactly as received, plus 1-byte codes) and capped
+(``max_resident_bytes``; the rollout worker uses ``DEFAULT_TRACKER_MAX_BYTES``).
 """
 from __future__ import annotations
 
@@ -164,63 +168,224 @@ def sampled_rows(n_rows: int, row_stride: int, granularity: str, block_size: int
     return rows[(rows // block_size) % row_stride == 0]
 
 
+# Cap on the tracker's state in a rollout worker (bytes): ~50M sampled elements from fp32 masters,
+# far more than a logged rate needs, and small next to the host memory of a GPU node.
+DEFAULT_TRACKER_MAX_BYTES = 256 * 2**20
+
+_EXACT_STORAGE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CODE_BYTES = 1  # int8 and float8_e4m3fn codes
+
+
+def storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the tracker keeps sampled rows in: the received one when float32/bf16/fp16 (exact).
+
+    Never narrower than received: an RL step moves weights by ~1e-6 relative, far below a bf16 ulp
+    (~4e-3), so rounding fp32 masters to bf16 would make ||W_new - W_prev|| measure rounding, not
+    the update. float64 is kept as float32, the precision the statistics are computed in anyway.
+    """
+    return dtype if dtype in _EXACT_STORAGE_DTYPES else torch.float32
+
+
+def sampled_units(n_rows: int, granularity: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """How many units ``sampled_rows`` picks from: rows (``channel``) or bands of ``block_size`` rows."""
+    return n_rows if granularity == "channel" else -(-n_rows // block_size)
+
+
+def sampled_row_count(n_rows: int, row_stride: int, granularity: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """``len`` of the rows ``sampled_rows`` keeps, without building them (the last band may be short)."""
+    if granularity == "channel":
+        return -(-n_rows // row_stride)
+    kept_bands = -(-sampled_units(n_rows, granularity, block_size) // row_stride)
+    last_start = (kept_bands - 1) * row_stride * block_size
+    return (kept_bands - 1) * block_size + min(block_size, n_rows - last_start)
+
+
+def tracker_state_bytes(shape, dtype: torch.dtype, row_stride: int, granularity: str = "channel",
+                        block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes ``UpdateVisibilityTracker`` holds for one [rows, cols] weight: sampled rows + their codes."""
+    n_rows, n_cols = int(shape[0]), math.prod(int(d) for d in shape[1:])
+    per_element = storage_dtype(dtype).itemsize + _CODE_BYTES
+    return sampled_row_count(n_rows, row_stride, granularity, block_size) * n_cols * per_element
+
+
+@dataclass
+class _Held:
+    """One tensor's previous sighting: sampled rows and codes (storage device, contiguous, own storage)."""
+
+    rows: torch.Tensor
+    codes: torch.Tensor
+    error_sq: float  # ||deq(Q(rows)) - rows||^2, float32 as in ``quantization_error_sq``
+    shape: torch.Size  # of the full tensor
+    units: int  # rows (channel) or bands (block) of the full tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.untyped_storage().nbytes() + self.codes.untyped_storage().nbytes()
+
+
+def _own_copy(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous copy on ``device`` that shares no storage with ``t`` (e.g. a transport buffer)."""
+    return t.to(device=device, dtype=dtype or t.dtype, copy=True, memory_format=torch.contiguous_format)
+
+
 class UpdateVisibilityTracker:
     """Step-to-step update visibility for a weight stream, one tensor at a time.
 
-    Keeps, per targeted tensor, a copy of the last weights seen (same dtype), their codes and their
-    quantization error. Call ``observe`` for each streamed tensor and ``end_step`` once per RL step
-    to get the summary. ``row_stride`` > 1 tracks only a sample of rows (see ``sampled_rows``):
-    memory and time shrink by that factor, and the statistics are those of the sampled rows,
-    which are exact for them because per-channel and per-block scales never mix rows across the sample.
+    Keeps, per targeted tensor, the last sampled rows seen (``storage_dtype``: exact for fp32/bf16/fp16),
+    their 8-bit codes and their quantization error, on ``storage_device`` (default CPU: the state
+    lives for the whole run and must stay out of the accelerator memory the engine budgets for).
+    Call ``observe`` for each streamed tensor and ``end_step`` once per RL step to get the summary.
+    ``row_stride`` > 1 tracks only a sample of rows (see ``sampled_rows``): memory and time shrink by
+    that factor, and the statistics are those of the sampled rows, which are exact for them because
+    per-channel and per-block scales never mix rows across the sample.
+
+    ``max_resident_bytes`` (None = unbounded) caps ``resident_bytes()``. All tracked tensors share
+    one effective stride, ``row_stride * 2**k``: when a tensor seen for the first time (or arriving in
+    a wider dtype) would push the state over the cap, the stride rises to the smallest such value at
+    which it fits next to the others, and every held sample is thinned to every ``2**j``-th of its
+    rows (channel) or bands (block) -- a subset of the rows it already has, so nothing is re-read
+    and the statistics stay exact for the rows kept. The stride is thus fixed during the first sync
+    (streams arrive in a fixed order: deterministic) and ends as the smallest ``row_stride * 2**k``
+    at which all tensors fit -- within 2x of the smallest stride that fits at all -- with every layer
+    sampled alike, where a per-tensor budget would starve the last layers. Tensors already compared
+    in the step of a rise keep the statistics of their rows at the earlier stride. A tensor that
+    does not fit even with every tensor down to one row (band) is left untracked (counted in
+    ``end_step()``) and the stride stays. Between calls the state never exceeds the cap; during
+    ``observe`` one tensor's new sample exists next to its old one.
     """
 
     def __init__(self, fmt: str | QuantFormat = "int8", granularity: str = "channel", targets: TargetSpec = None,
-                 ignore: Iterable[str] = DEFAULT_IGNORE, block_size: int = DEFAULT_BLOCK_SIZE, row_stride: int = 1):
+                 ignore: Iterable[str] = DEFAULT_IGNORE, block_size: int = DEFAULT_BLOCK_SIZE, row_stride: int = 1,
+                 *, storage_device: str | torch.device = "cpu", max_resident_bytes: int | None = None):
         if row_stride < 1:
             raise ValueError(f"row_stride must be >= 1, got {row_stride}")
+        if max_resident_bytes is not None and (isinstance(max_resident_bytes, bool) or max_resident_bytes <= 0):
+            raise ValueError(f"max_resident_bytes must be a positive byte count or None, got {max_resident_bytes!r}")
         self.fmt, self.granularity = resolve_format(fmt), granularity
         self.targets, self.ignore, self.block_size = targets, tuple(ignore), block_size
         self.row_stride = row_stride
-        self._last: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.storage_device = torch.device(storage_device)
+        self.max_resident_bytes = max_resident_bytes
+        self._stride = row_stride
+        self._held: dict[str, _Held] = {}
+        self._held_bytes = 0
+        self._untracked: set[str] = set()
         self._step: dict[str, UpdateStats] = {}
 
+    @property
+    def effective_row_stride(self) -> int:
+        """The stride every held sample is taken at (``row_stride`` unless the cap raised it)."""
+        return self._stride
+
+    def resident_bytes(self) -> int:
+        """Bytes of tensor storage the tracker holds (the sampled rows and codes of every tensor)."""
+        return sum(held.nbytes for held in self._held.values())
+
     def _sample(self, weight: torch.Tensor, q: QuantizedTensor | None):
-        rows = sampled_rows(weight.shape[0], self.row_stride, self.granularity, self.block_size)
+        rows = sampled_rows(weight.shape[0], self._stride, self.granularity, self.block_size)
         if rows is None:
             return weight, q
         weight = weight[rows]
         if q is not None:
-            scale_rows = rows if self.granularity == "channel" else slice(None, None, self.row_stride)
+            scale_rows = rows if self.granularity == "channel" else slice(None, None, self._stride)
             q = QuantizedTensor(q.data[rows], q.scale[scale_rows], q.fmt, q.granularity, q.block_size)
         return weight, q
 
+    def _thin(self, factor: int) -> None:
+        """Multiply the stride by ``factor``: keep every ``factor``-th sampled row (band) of every held
+        tensor, which is exactly its sample at the new stride, and recompute its quantization error."""
+        self._stride *= factor
+        for name, held in self._held.items():
+            keep = sampled_rows(held.rows.shape[0], factor, self.granularity, self.block_size)
+            rows = _own_copy(held.rows[keep], self.storage_device)
+            codes = _own_copy(held.codes[keep], self.storage_device)
+            # Requantizing the kept rows gives their codes and scales back: scales never mix rows across the sample.
+            q = quantize(rows, self.fmt, self.granularity, name=name, block_size=self.block_size)
+            self._held[name] = _Held(rows, codes, quantization_error_sq(rows, q), held.shape, held.units)
+        self._held_bytes = self.resident_bytes()
+
+    def _fits(self, name: str, weight: torch.Tensor) -> bool:
+        """Make room for ``weight``'s sample: raise the stride to the smallest ``stride * 2**k`` at which
+        it fits next to every other held tensor. False, with nothing changed, if it never fits."""
+        cap = self.max_resident_bytes
+        if cap is None:
+            return True
+
+        def need(stride: int) -> int:
+            return tracker_state_bytes(weight.shape, weight.dtype, stride, self.granularity, self.block_size)
+
+        held = self._held.get(name)
+        if self._held_bytes - (held.nbytes if held is not None else 0) + need(self._stride) <= cap:
+            return True
+        others = [h for n, h in self._held.items() if n != name]
+        units = sampled_units(weight.shape[0], self.granularity, self.block_size)
+        most_units = max([units, *(h.units for h in others)])
+        stride = self._stride
+        while stride < most_units:  # beyond that every tensor is down to one row (band): nothing shrinks
+            stride *= 2
+            total = need(stride) + sum(
+                tracker_state_bytes(h.shape, h.rows.dtype, stride, self.granularity, self.block_size) for h in others
+            )
+            if total <= cap:
+                self._thin(stride // self._stride)
+                return True
+        return False
+
+    def _forget(self, name: str) -> None:
+        held = self._held.pop(name, None)
+        if held is not None:
+            self._held_bytes -= held.nbytes
+        self._untracked.add(name)
+
     @torch.no_grad()
     def observe(self, name: str, weight: torch.Tensor, quantized: QuantizedTensor | None = None) -> UpdateStats | None:
-        """Record ``weight``; returns its stats against the previous sighting (None the first time or if untargeted).
+        """Record ``weight``; returns its stats against the previous sighting (None the first time, if
+        untargeted, or if left untracked by the memory cap).
 
         ``quantized``: the quantization of ``weight`` if the caller already has it (e.g. from the weight sync).
+        Sampling and quantization run where ``weight`` is; the sample is then copied to the storage
+        device and compared there.
         """
-        if not is_quantization_target(name, weight, self.targets, self.ignore):
+        if not is_quantization_target(name, weight, self.targets, self.ignore) or name in self._untracked:
+            return None
+        shape = weight.shape
+        if name in self._held and self._held[name].shape != shape:
+            raise ValueError(f"tensor {name!r} changed shape: {tuple(self._held[name].shape)} -> {tuple(shape)}")
+        if not self._fits(name, weight):
+            self._forget(name)
             return None
         weight, q = self._sample(weight.detach(), quantized)
         if q is None:
             q = quantize(weight, self.fmt, self.granularity, name=name, block_size=self.block_size)
         error_sq = quantization_error_sq(weight, q)
+        rows = _own_copy(weight, self.storage_device, storage_dtype(weight.dtype))
+        codes = _own_copy(q.data, self.storage_device)
         stats = None
-        if name in self._last:
-            prev, prev_codes, prev_error_sq = self._last[name]
-            delta = weight.to(torch.float32) - prev.to(torch.float32)
+        prev = self._held.get(name)
+        if prev is not None:
+            delta = rows.to(torch.float32) - prev.rows.to(torch.float32)
             stats = UpdateStats(
-                numel=weight.numel(),
-                changed_codes=changed_code_count(prev_codes, q.data),
+                numel=rows.numel(),
+                changed_codes=changed_code_count(prev.codes, codes),
                 update_sq=squared_norm(delta),
-                quant_error_sq=prev_error_sq,
+                quant_error_sq=prev.error_sq,
             )
             self._step[name] = stats
-        self._last[name] = (weight.clone(), q.data.clone(), error_sq)
+            self._held_bytes -= prev.nbytes
+        units = sampled_units(shape[0], self.granularity, self.block_size)
+        held = self._held[name] = _Held(rows, codes, error_sq, shape, units)
+        self._held_bytes += held.nbytes
         return stats
 
     def end_step(self) -> dict:
+        """The step's summary (see ``summarize``) plus ``tracker``: the stride, state size and coverage."""
         summary = summarize(self._step)
+        summary["tracker"] = {
+            "row_stride": self._stride,
+            "requested_row_stride": self.row_stride,
+            "resident_bytes": self.resident_bytes(),
+            "tracked_tensors": len(self._held),
+            "untracked_tensors": len(self._untracked),
+        }
         self._step = {}
         return summary

@@ -2,8 +2,9 @@
 
 The trainer streams full fp32/bf16 tensors exactly as for ``rollout.name=vllm``; the engine
 quantizes them (see ``weight_stream``). This subclass only
-* sends the engine what its quantization config cannot carry: the code-change tracking stride
-  (``custom.qurl.code_change_row_stride``) and the weight code width (``custom.qurl.weight_bits``);
+* sends the engine what its quantization config cannot carry: the code-change tracking stride and
+  memory cap (``custom.qurl.code_change_row_stride``, ``code_change_max_mb``) and the weight code
+  width (``custom.qurl.weight_bits``);
 * keeps what the engine reports about each sync in ``last_sync_stats`` and publishes it through
   ``qurl_verl.patches.qurl_vllm.loss_metrics_channel`` (installed here; any policy loss logs it): ``qurl/sync/*`` (quantize / load / total
   seconds, bytes, worker RSS) and ``qurl/update/changed_code_frac`` and
@@ -48,7 +49,8 @@ class QurlServerAdapter(ServerAdapter):
         settings = RolloutSettings.from_rollout_config(self.config)
         await super().update_weights(
             weights, global_steps=global_steps, wire_format=wire_format,
-            code_change_row_stride=settings.code_change_row_stride, weight_bits=settings.weight_bits, **kwargs,
+            code_change_row_stride=settings.code_change_row_stride, code_change_max_bytes=settings.code_change_max_bytes,
+            weight_bits=settings.weight_bits, **kwargs,
         )
         if self._sync_future is not None:
             per_worker = await self._sync_future

@@ -87,7 +87,7 @@ def test_unknown_format_names_the_key_and_the_choices():
 
 
 def test_unknown_custom_key_is_rejected():
-    with pytest.raises(QurlConfigError, match=r"custom\.qurl\.keep_bf16.*reads only: ignore, code_change_row_stride"):
+    with pytest.raises(QurlConfigError, match=r"custom\.qurl\.keep_bf16.*reads only: ignore, code_change_row_stride, code_change_max_mb, weight_bits"):
         RolloutSettings.from_rollout_config(rollout_node("int8", {"keep_bf16": ["x"]}))
 
 
@@ -173,3 +173,11 @@ def test_weight_bits_select_the_integer_code_width(bits):
 def test_bad_weight_bits_name_the_key_and_the_fix(node, match):
     with pytest.raises(QurlConfigError, match=match):
         RolloutSettings.from_rollout_config(node)
+
+
+def test_tracker_memory_cap_defaults_to_256_mib_and_must_be_positive():
+    assert RolloutSettings.from_rollout_config(rollout_node("int8")).code_change_max_bytes == 256 * 2**20
+    assert RolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_max_mb": 0.5})).code_change_max_bytes == 2**19
+    for bad in (0, -1, "big", True):
+        with pytest.raises(QurlConfigError, match="code_change_max_mb=.*: must be a number > 0"):
+            RolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_max_mb": bad}))
