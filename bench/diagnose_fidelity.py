@@ -76,7 +76,7 @@ def hf_models(model_dir: Path, master: dict):
         s = RolloutSettings(format=fmt)
         m = load(dtype, eps)
         # codes from the fp32 masters, exactly what the engine's sync quantizes
-        quantize_linear_modules_(m, s.format.quant_format, s.format.granularity, ignore=s.ignore_patterns, fake=fake)
+        quantize_linear_modules_(m, s.quant_format, s.format.granularity, ignore=s.ignore_patterns, fake=fake)
         for mod_name, module in m.named_modules():
             if hasattr(module, "load_weight_"):
                 module.load_weight_(master[f"{mod_name}.weight"], name=mod_name)

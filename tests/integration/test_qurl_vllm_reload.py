@@ -99,6 +99,24 @@ def test_int8_engine_tracks_the_w8a8_reference_over_syncs(int8_engine, tiny_mode
     assert max(rss[1:]) - rss[1] < 64, rss  # after the first sync's one-off allocations: flat
 
 
+@pytest.mark.parametrize("bits", [4])
+def test_narrow_weight_codes_run_exactly_in_the_int8_engine(int8_engine, tiny_model_dir, bits):
+    """custom.qurl.weight_bits: the same engine, fed codes within ±(2^(b-1)-1), is the W{b}A8 model
+    (same bounds as the INT8 test above) and not the W8A8 one; the sync reports the width."""
+    trainer = TrainerWeights(tiny_model_dir)
+    prompts = prompt_ids(tiny_model_dir)
+    narrow = RolloutSettings(format="int8", weight_bits=bits)
+    (stats,) = sync_weights(int8_engine, trainer.named_tensors(), weight_bits=bits)
+    seqs, got = engine_logprobs(int8_engine, prompts)
+    vs_ref = summary(abs_diffs(got, _reference(tiny_model_dir, trainer.master, narrow, seqs)))
+    vs_w8a8 = summary(abs_diffs(got, _reference(tiny_model_dir, trainer.master, INT8, seqs)))
+    assert stats["weight_bits"] == bits and stats["quantized"] == 14, stats
+    assert vs_ref["median"] <= 1e-5 and vs_ref["p75"] <= 1e-4 and vs_ref["max"] <= 0.1, (vs_ref, vs_w8a8)
+    assert vs_w8a8["median"] >= 5e-3, (vs_ref, vs_w8a8)  # 4-bit codes are a different model
+    (stats,) = sync_weights(int8_engine, trainer.named_tensors())  # back to 8 bits for what follows
+    assert stats["weight_bits"] == 8
+
+
 def test_failed_sync_is_fatal_and_loud(int8_engine, tiny_model_dir):
     """A bad tensor mid-stream: the sync raises in the driver (the sender is not left waiting),
     later syncs are refused, and the half-reloaded model refuses to generate. Runs last: it

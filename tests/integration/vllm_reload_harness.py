@@ -97,7 +97,8 @@ class TrainerWeights:
         return iter(self.master.items())
 
 
-def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row_stride: int = 8) -> list:
+def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row_stride: int = 8,
+                 weight_bits: int = 8) -> list:
     """One verl-style weight sync: verl's BucketedWeightSender here, the worker's receiver there
     (called with the keywords QurlServerAdapter adds)."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
@@ -117,6 +118,8 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
     rpc_error = None
     try:
         kwargs = {"use_shm": True, "code_change_row_stride": code_change_row_stride}
+        if weight_bits != 8:
+            kwargs["weight_bits"] = weight_bits
         results = llm.collective_rpc("update_weights_from_ipc", kwargs=kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised once the sender is accounted for
         rpc_error = e
@@ -200,7 +203,7 @@ def reference_model(model_dir: Path, master: dict[str, torch.Tensor], settings, 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     model.load_state_dict({k: v.to(dtype) for k, v in master.items()})
     if settings.quantized:
-        quantize_linear_modules_(model, settings.format.quant_format, settings.format.granularity, ignore=settings.ignore_patterns)
+        quantize_linear_modules_(model, settings.quant_format, settings.format.granularity, ignore=settings.ignore_patterns)
         for name, module in model.named_modules():
             if isinstance(module, W8A8Linear):
                 module.load_weight_(master[f"{name}.weight"], name=f"{name}.weight")

@@ -122,3 +122,25 @@ def test_tracker_sees_the_codes_the_engine_gets(state):
     want = update_visibility(rows(state), rows(stepped), "int8", "channel")["overall"]
     assert got["changed_fraction"] == want["changed_fraction"] and 0 < got["changed_fraction"] < 1
     assert got["update_to_error_ratio"] == pytest.approx(want["update_to_error_ratio"], rel=1e-6)
+
+
+def test_pass_through_tensors_are_sent_in_the_engine_dtype(state):
+    """With the engine's parameter dtypes, each pass-through float tensor arrives in its parameter's
+    dtype, holding exactly what vLLM's loader would have stored (its ``copy_`` into that parameter
+    rounds the same way); 8-bit codes, their fp32 scales and unknown names are left as they are."""
+    dtypes = {name: torch.bfloat16 for name in state}
+    dtypes.update({n.replace(".weight", ".weight_scale"): torch.bfloat16 for n in state})  # never applies to scales
+    del dtypes["model.norm.weight"]
+    buffer, views = in_one_buffer(list(state.items()))
+    out = dict(WeightStreamQuantizer(RolloutSettings(format="int8"), param_dtypes=dtypes).transform(views))
+    buffer.fill_(0xFF)
+    for name, t in state.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJ:
+            assert out[name].dtype == torch.int8 and out[module + ".weight_scale"].dtype == torch.float32
+        elif name == "model.norm.weight":
+            assert out[name].dtype == torch.float32 and torch.equal(out[name], t)
+        else:
+            engine_param = torch.empty(t.shape, dtype=torch.bfloat16)
+            engine_param.copy_(t)
+            assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], engine_param), name
