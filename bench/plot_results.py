@@ -1,9 +1,9 @@
-"""Plot bench/results/rollout_throughput.json: tokens/s vs batch per format, and the ratio to BF16.
+"""Plot bench/results/rollout_throughput_<cpu class>.json: tokens/s vs batch per format, and the ratio to BF16.
 
 Reads only the JSON the throughput bench wrote (medians over interleaved blocks), so the figure
-always matches the table in rollout_throughput.md. Writes ``bench/results/rollout_throughput.png``.
+always matches the table in rollout_throughput_<cpu class>.md. Writes ``bench/results/rollout_throughput_<cpu class>.png``.
 
-    .venv/bin/python bench/plot_results.py [--results bench/results/rollout_throughput.json]
+    .venv/bin/python bench/plot_results.py [--results bench/results/rollout_throughput_<cpu class>.json]
 """
 from __future__ import annotations
 
@@ -27,15 +27,20 @@ def series(report: dict) -> dict[str, dict[int, dict[int, tuple[float, float, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--results", default=str(REPO / "bench" / "results" / "rollout_throughput.json"))
+    parser.add_argument("--results", nargs="+", default=sorted(str(p) for p in (REPO / "bench" / "results").glob("rollout_throughput_*.json")))
     parser.add_argument("--out", default=None, help="default: the results path with .png")
     args = parser.parse_args()
+    for results in args.results:
+        plot(results, args.out if len(args.results) == 1 else None)
+
+
+def plot(results: str, out_path: str | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    report = json.loads(Path(args.results).read_text())
+    report = json.loads(Path(results).read_text())
     data = series(report)
     fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(11, 4.2))
     for fmt, by_len in data.items():
@@ -62,7 +67,7 @@ def main() -> None:
     fig.suptitle(f"vLLM-CPU {report['machine']['vllm']}, Qwen2-shaped {m['params'] / 1e6:.0f}M random model, "
                  f"{report['machine']['cpu_model']}", fontsize=9)
     fig.tight_layout()
-    out = Path(args.out) if args.out else Path(args.results).with_suffix(".png")
+    out = Path(out_path) if out_path else Path(results).with_suffix(".png")
     fig.savefig(out, dpi=110)
     print("written", out)
 
