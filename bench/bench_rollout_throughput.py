@@ -241,6 +241,7 @@ def markdown(report: dict) -> str:
 
 def derived_notes(report: dict) -> list[str]:
     """Notes that follow from the arguments and the measured figures (recomputed on every render)."""
+    tps = [m["median_tok_per_s"] for runs in report["summary"]["median"].values() for m in runs.values()] or [0.0]
     a, ratios = report["args"], report["summary"]["ratios"]
     n = report["summary"]["median"].get("int8", {})
     out = [f"Scope: every batch decodes max_tokens={a['max_tokens']} tokens after ~{statistics.median(report['prompt_tokens']):.0f}-token "
@@ -248,7 +249,8 @@ def derived_notes(report: dict) -> list[str]:
            f"{a['reps']} timed repeat(s) per setting per block, so each BF16/INT8 median is over "
            f"{min((m['n'] for m in n.values()), default=0)} runs over "
            f"{sum(blk['format'] == 'int8' for blk in report['blocks'])} engine(s) per format ({a['blocks']} planned). Reasoning rollouts run to "
-           f"thousands of tokens; {a['max_tokens']} is what this run could afford at this 2-core CPU's ~2-40 tok/s. "
+           f"thousands of tokens; {a['max_tokens']} is what this run could afford at this CPU's "
+           f"{min(tps):.0f}-{max(tps):.0f} tok/s. "
            "Decode cost per token grows with context, so longer outputs would weigh attention (unquantized in "
            "both formats) a little more."]
     loads = [x for blk in report["blocks"] for x in (blk["load_before"][0], blk.get("load_after", [0])[0])]
@@ -260,13 +262,13 @@ def derived_notes(report: dict) -> list[str]:
                    "formats, so the ratios are less affected, not unaffected.")
     b1 = next((v for k, v in ratios.items() if k.startswith("int8/bf16 b1_")), None)
     if b1 is not None and b1 < 1:
-        out.append(f"INT8 at batch 1 runs at {b1:.2f}x BF16 here. Likely cause (not profiled): with the saturation "
-                   "split every INT8 GEMM is two oneDNN int8 GEMMs plus per-token activation quantization, a fixed "
-                   "cost that batch-1 decode cannot amortize.")
+        out.append(f"INT8 at batch 1 runs at {b1:.2f}x BF16 here. Where the time goes per CPU class: "
+                   "bench/INT8_BATCH1.md (without VNNI, oneDNN's int8 GEMM runs gemm:jit on unpacked weights, "
+                   "nearly flat in batch size; the saturation split doubles it).")
     big = [(k, v) for k, v in ratios.items() if k.startswith("int8/") and v > 2]
     if big:
         out.append(f"INT8/BF16 above 2x ({', '.join(f'{k.split()[1]}: {v:.2f}x' for k, v in big)}) exceeds the "
-                   "memory-bound limit: BF16 on this AVX2 CPU (no native bf16 dot product) is compute-bound, so "
+                   "memory-bound limit: BF16 here is compute-bound (no native bf16 dot product on AVX2), so "
                    "the ratio compares int8 GEMMs with emulated bf16 compute, not memory traffic.")
     return out
 
