@@ -20,11 +20,13 @@ from qurl_verl.settings import (
     MODEL_PATH_KEY,
     PRESET_KEY,
     QUANTIZATION_KEY,
+    ROLLOUT_CUSTOM_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
     UAQ_KEY,
     QurlConfigError,
     QurlSettings,
+    RolloutSettings,
     UaqSettings,
     check_architecture,
     check_cpu_rollout_format,
@@ -175,6 +177,30 @@ def _absent(cfg: Any, key: str) -> bool:
     return isinstance(cfg, DictConfig) and OmegaConf.select(cfg, key, default=marker) is marker
 
 
+DECODER_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def check_fused_layers_kept_whole(rollout: RolloutSettings, model_path: Any) -> None:
+    """``custom.qurl.ignore`` must keep q/k/v (and gate/up) together: vLLM runs each group as one layer
+    and would refuse the engine at start, naming only the fused layer. Checked on the model's own
+    layer names, from its config.json (skipped when that cannot be read here)."""
+    if not rollout.ignore or not model_path:
+        return
+    cfg_file = Path(os.path.expanduser(str(model_path))) / "config.json"
+    if not cfg_file.is_file():
+        return
+    layers = json.loads(cfg_file.read_text()).get("num_hidden_layers") or 0
+    from qurl_verl.quant.compressed_tensors_format import is_ignored
+
+    for i in range(int(layers)):
+        for proj in DECODER_PROJECTIONS:
+            try:
+                is_ignored(f"model.layers.{i}.{proj}", rollout.ignore_patterns)
+            except ValueError as e:
+                raise QurlConfigError(f"{ROLLOUT_CUSTOM_KEY}.ignore: {e}") from None
+
+
 def check_plugin_loaded(component: str, what: str) -> None:
     """A qurl name is configured: the part of the plugin that registers it must have loaded."""
     import qurl_verl
@@ -204,6 +230,7 @@ def check_config(cfg: Any) -> QurlSettings:
         archs = model_architectures(select(cfg, MODEL_PATH_KEY))
         if archs is not None:
             check_architecture(archs, model=str(select(cfg, MODEL_PATH_KEY)))
+        check_fused_layers_kept_whole(settings.rollout, select(cfg, MODEL_PATH_KEY))
         check_fp8_hardware(settings.rollout, cuda_capability())  # the servers check again on their GPUs
         if cpu_platform_selected() or select(cfg, "trainer.device") == "cpu":
             import torch

@@ -158,3 +158,22 @@ def test_a_checkpoint_already_converted_needs_no_shared_cache(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "qurl_uaq": RECORD}))
     overrides = [o for o in DAPO_SCRIPT if not o.startswith("actor_rollout_ref.model.path=")]
     driver.check_config(compose_ppo_config([*overrides, "+qurl=int8", f"actor_rollout_ref.model.path={tmp_path}"]))
+
+
+@pytest.mark.parametrize("ignore, refused", [
+    ("[model.layers.1.self_attn.q_proj]", True),  # q without k and v: vLLM runs them as one layer
+    ("[up_proj]", True),  # a suffix hits up_proj of every layer, never gate_proj
+    ("['re:model\\.layers\\.1\\.self_attn\\.[qkv]_proj']", False),
+    ("[down_proj,o_proj]", False),
+])
+def test_ignore_must_keep_fused_groups_whole(tmp_path, ignore, refused):
+    """Refused in the driver, on the model's own layer names, instead of by vLLM at engine start."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2}))
+    overrides = [o for o in GRPO_EXAMPLE if not o.startswith(("actor_rollout_ref.rollout.name=", "actor_rollout_ref.model.path="))]
+    cfg = compose_ppo_config([*overrides, "+qurl=tis_int8", f"actor_rollout_ref.model.path={tmp_path}",
+                              f"+actor_rollout_ref.rollout.custom.qurl.ignore={ignore}"])
+    if refused:
+        with pytest.raises(QurlConfigError, match=r"custom.qurl.ignore: .*ignore all of them or none"):
+            driver.check_config(cfg)
+    else:
+        driver.check_config(cfg)
