@@ -1,0 +1,75 @@
+"""UAQ versus per-group AdamW learning rates on a tiny Qwen2 (qurl_recipes.uaq_vs_lr)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qurl_recipes.uaq_vs_lr import (
+    SCALED_LINEAR_GROUP,
+    SCALED_NORM_GROUP,
+    UNSCALED_GROUP,
+    compare_uaq_with_per_group_lr,
+    per_group_lr_param_groups,
+)
+
+# With eps -> 0, no weight decay and no clipping, Adam's step m / sqrt(v) is invariant to a
+# per-tensor gradient scale; UAQ scales the q/k/v gradients by s and the norm gradients by 1/s,
+# so mapped back it equals lr x s on q/k/v and lr / s on the norm. For s = 2 every quantity of
+# the UAQ arm (forward, gradients, moments, sqrt, step) is a power-of-two multiple of the other
+# arm's, and rounding commutes with that, so the arms agree bit for bit on this CPU. The
+# tolerance is about one float32 ulp of an O(1..10) logit, to allow other summation orders.
+LOGIT_TOL = 1e-6
+SCALE, LR, STEPS = 2.0, 1e-3, 3
+
+
+def _prompts():
+    return torch.randint(0, 256, (2, 4), generator=torch.Generator().manual_seed(1))
+
+
+def _reward(prompt_ids, response_ids):
+    """Fraction of response tokens in the lower half of the vocabulary: varies within a group."""
+    return (response_ids < 128).float().mean(1)
+
+
+def test_param_groups_scale_exactly_qkv_weights_and_input_norms(tiny_causal_lm):
+    model = tiny_causal_lm("qwen2")
+    groups = per_group_lr_param_groups(model, LR, SCALE)
+    by_name = {g["name"]: g for g in groups}
+    assert set(by_name) == {SCALED_LINEAR_GROUP, SCALED_NORM_GROUP, UNSCALED_GROUP}
+    assert by_name[SCALED_LINEAR_GROUP]["lr"] == LR * SCALE
+    assert by_name[SCALED_NORM_GROUP]["lr"] == LR / SCALE
+    assert by_name[UNSCALED_GROUP]["lr"] == LR
+
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    grouped_ids = [id(p) for g in groups for p in g["params"]]
+    assert len(grouped_ids) == len(set(grouped_ids)) == len(name_of)  # none missing, none twice
+    names = {key: {name_of[id(p)] for p in g["params"]} for key, g in by_name.items()}
+    layers = model.config.num_hidden_layers
+    assert names[SCALED_LINEAR_GROUP] == {
+        f"model.layers.{i}.self_attn.{p}.weight" for i in range(layers) for p in ("q_proj", "k_proj", "v_proj")
+    }
+    assert names[SCALED_NORM_GROUP] == {f"model.layers.{i}.input_layernorm.weight" for i in range(layers)}
+    # UAQ leaves the q/k/v biases untouched, so they keep the base lr
+    assert "model.layers.0.self_attn.q_proj.bias" in names[UNSCALED_GROUP]
+    # the optimiser accepts the groups as they are
+    torch.optim.AdamW(groups, lr=LR)
+
+
+def test_uaq_equals_per_group_lr_without_eps_decay_or_clipping(tiny_causal_lm):
+    model = tiny_causal_lm("qwen2")
+    results = compare_uaq_with_per_group_lr(model, _prompts(), _reward, scale=SCALE, lr=LR, steps=STEPS,
+                                            eps=1e-30, weight_decay=0.0, max_grad_norm=None)
+    assert len(results) == STEPS
+    for r in results:
+        assert r.same_tokens
+        assert r.max_abs_logit_diff <= LOGIT_TOL, r
+        assert r.changed_code_fraction_uaq == r.changed_code_fraction_per_group_lr
+    assert results[-1].changed_code_fraction_uaq > 0  # the steps did move the quantized weights
+
+
+def test_adam_eps_breaks_the_equivalence_for_tiny_gradients(tiny_causal_lm):
+    model = tiny_causal_lm("qwen2")
+    results = compare_uaq_with_per_group_lr(model, _prompts(), _reward, scale=SCALE, lr=LR, steps=STEPS,
+                                            eps=1e-8, weight_decay=0.0, loss_scale=1e-6)
+    assert results[0].same_tokens  # same start, same rollout: the difference comes from the update
+    assert max(r.max_abs_logit_diff for r in results) > 100 * LOGIT_TOL
