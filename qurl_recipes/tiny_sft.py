@@ -8,6 +8,10 @@ of prompts have at least one correct sample in a group, which is where GRPO can 
 The SFT questions are drawn from a seed disjoint from the RL train/val files' seeds, with the same
 wording and the same chat template verl applies, and the loss covers only the answer tokens
 (the answer followed by the end-of-turn token). Plain torch + transformers; deterministic on CPU.
+
+`task="chain_arithmetic"` warms up on the multi-step task instead: the target is the written-out
+solution, and evaluation generates long enough for it and grades the number after "Answer:",
+as that task's reward does.
 """
 from __future__ import annotations
 
@@ -19,7 +23,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from qurl_recipes.data import chain_arithmetic
 from qurl_recipes.data.arithmetic import question, solve
+
+TASKS = ("arithmetic", "chain_arithmetic")
+# Room for the answer and the end-of-turn token; the chain solutions take up to 52 tokens.
+MAX_NEW_TOKENS = {"arithmetic": 8, "chain_arithmetic": 64}
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,30 @@ class SftSettings:
     max_operand: int = 20
     seed: int = 1234
     eval_prompts: int = 256
+    task: str = "arithmetic"  # one of TASKS
+    min_ops: int = chain_arithmetic.DEFAULT_MIN_OPS  # chain task only
+    max_ops: int = chain_arithmetic.DEFAULT_MAX_OPS  # chain task only
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; expected one of {TASKS}")
+
+
+def _grader(task: str):
+    """Text -> graded integer, matching the reward the RL run uses for `task`."""
+    if task == "chain_arithmetic":
+        from qurl_recipes.rewards.chain_arithmetic import final_answer
+
+        return final_answer
+    from qurl_recipes.rewards.arithmetic import final_number
+
+    return final_number
 
 
 def _example_stream(settings: SftSettings):
+    if settings.task == "chain_arithmetic":
+        yield from chain_arithmetic.sft_pairs(settings.seed, settings.min_ops, settings.max_ops)
+        return
     rng = random.Random(settings.seed)
     while True:
         a, b = rng.randint(0, settings.max_operand), rng.randint(0, settings.max_operand)
@@ -66,13 +96,33 @@ def _batch(tokenizer, pairs, pad_id: int):
     return ids, labels, mask
 
 
+def _held_out_rows(settings: SftSettings) -> list[tuple[str, str]]:
+    """(question, expected final number) pairs from a seed apart from the training stream's."""
+    if settings.task == "chain_arithmetic":
+        pairs = chain_arithmetic.sft_pairs(settings.seed + 7, settings.min_ops, settings.max_ops)
+        grade = _grader(settings.task)
+        return [(q, str(grade(sol))) for q, sol in (next(pairs) for _ in range(settings.eval_prompts))]
+    held_out = random.Random(settings.seed + 7)
+    rows = []
+    for _ in range(settings.eval_prompts):
+        a, b = held_out.randint(0, settings.max_operand), held_out.randint(0, settings.max_operand)
+        op = held_out.choice(settings.ops)
+        rows.append((question(a, op, b), str(solve(a, op, b))))
+    return rows
+
+
 def sampled_accuracy(model, tokenizer, rows: list[tuple[str, str]], samples: int = 1, temperature: float = 1.0,
-                     max_new_tokens: int = 8, seed: int = 0) -> dict:
-    """Share of correct sampled answers (pass@1 estimate) and of prompts with any correct sample."""
+                     max_new_tokens: int | None = None, seed: int = 0, task: str = "arithmetic") -> dict:
+    """Share of correct sampled answers (pass@1 estimate) and of prompts with any correct sample.
+
+    `rows` hold (question, expected final number); `task` picks the grader and, unless given, the
+    generation length.
+    """
     import torch
 
-    from qurl_recipes.rewards.arithmetic import final_number
-
+    grade = _grader(task)
+    if max_new_tokens is None:
+        max_new_tokens = MAX_NEW_TOKENS[task]
     torch.manual_seed(seed)
     tokenizer.padding_side = "left"
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
@@ -86,13 +136,13 @@ def sampled_accuracy(model, tokenizer, rows: list[tuple[str, str]], samples: int
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             for i, (t, (_, ans)) in enumerate(zip(texts, rows)):
-                got = final_number(t)
+                got = grade(t)
                 correct[i, s] = float(got is not None and got == int(ans))
     return {"acc_mean": correct.mean().item(), "any_correct": (correct.max(dim=1).values > 0).float().mean().item()}
 
 
 def run_sft(base_dir: str | Path, out_dir: str | Path, settings: SftSettings = SftSettings(), log_every: int = 50) -> dict:
-    """Train `base_dir`'s model on arithmetic answers, save it to `out_dir` and return the record."""
+    """Train `base_dir`'s model on `settings.task`'s answers, save it to `out_dir` and return the record."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -119,14 +169,9 @@ def run_sft(base_dir: str | Path, out_dir: str | Path, settings: SftSettings = S
     train_s = time.perf_counter() - t0
 
     model.eval()
-    held_out = random.Random(settings.seed + 7)
-    rows = []
-    for _ in range(settings.eval_prompts):
-        a, b = held_out.randint(0, settings.max_operand), held_out.randint(0, settings.max_operand)
-        op = held_out.choice(settings.ops)
-        rows.append((question(a, op, b), str(solve(a, op, b))))
-    greedy = sampled_accuracy(model, tokenizer, rows, samples=1, temperature=0.0)
-    sampled = sampled_accuracy(model, tokenizer, rows, samples=4, temperature=1.0, seed=settings.seed)
+    rows = _held_out_rows(settings)
+    greedy = sampled_accuracy(model, tokenizer, rows, samples=1, temperature=0.0, task=settings.task)
+    sampled = sampled_accuracy(model, tokenizer, rows, samples=4, temperature=1.0, seed=settings.seed, task=settings.task)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -147,11 +192,12 @@ def run_sft(base_dir: str | Path, out_dir: str | Path, settings: SftSettings = S
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="SFT warm start of the tiny model on synthetic arithmetic.")
+    ap = argparse.ArgumentParser(description="SFT warm start of the tiny model on synthetic (chain) arithmetic.")
     ap.add_argument("--base", required=True, help="HF folder of the model to start from (python -m qurl_recipes.tiny_model)")
     ap.add_argument("--out", required=True)
     for f, default in asdict(SftSettings()).items():
-        ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
+        choices = TASKS if f == "task" else None
+        ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default, choices=choices)
     a = vars(ap.parse_args(argv))
     base, out = a.pop("base"), a.pop("out")
     record = run_sft(base, out, SftSettings(**a))

@@ -4,13 +4,13 @@ The one-operation task answers in a few tokens, too short for the per-token mism
 8-bit rollout policy and the full-precision policy to build up over a sequence as it does in long
 chains of thought. Here a problem chains several operations on a running value; the reference
 solution writes every step ("7 + 5 = 12. 12 * 3 = 36. Answer: 36") and the reward checks only the
-final number. With the tiny tokenizer every number 0..99 and every operator is one token, so a
-step costs 6 tokens and "Answer: N" 3: a solution of k operations takes 6k + 3 tokens, and the
-default 5-8 operations give 33-51 tokens (34-52 with the end-of-turn token). The prompt uses the
-operator symbols to stay within the demo's 64-token prompt limit (55 tokens with the chat
-template at 8 operations).
+final number. The tiny model's tokenizer, as verl loads it from the model folder
+(``AutoTokenizer``: a ``Qwen2Tokenizer``), writes every digit as its own token, so a step costs
+about 12 tokens: the default 4-5 operations give 39-63 tokens (at most 64 with the end-of-turn
+token), and the prompt, which uses operator symbols, 48-57 tokens with the chat template (the
+demo's limit is 64). ``tests/unit/test_chain_arithmetic.py`` measures both with that tokenizer.
 
-Values stay within 0..99 after every step so each number is a single token the model has seen.
+Values stay within 0..99 after every step, numbers the model has seen.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ DATA_SOURCE = "qurl/chain_arithmetic"
 MIN_VALUE, MAX_VALUE = 0, 99
 MAX_ADD_SUB_OPERAND = 20
 MULTIPLIERS = (2, 3, 4, 5)
-DEFAULT_MIN_OPS, DEFAULT_MAX_OPS = 5, 8
+DEFAULT_MIN_OPS, DEFAULT_MAX_OPS = 4, 5
 MAX_START = 20
 
 

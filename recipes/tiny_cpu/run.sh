@@ -6,7 +6,10 @@
 # Environment: OUT (default outputs/tiny_cpu) holds the model, data and metrics; STEPS (default 3);
 # PRESET (default int8: INT8 rollout + ACR + UAQ) picks `+qurl=<preset>` (bf16, naive_int8,
 # tis_int8, tis_fp8, int8, fp8); PRESET=none runs verl's stock vLLM rollout with no preset;
-# MODEL_DIR / DATA_DIR (default: built under OUT) point at another model or train/val parquet pair.
+# MODEL_DIR / DATA_DIR (default: built under OUT) point at another model or train/val parquet pair;
+# TASK (default arithmetic) picks the task: arithmetic (one operation, 16-token responses) or
+# chain_arithmetic (multi-step, solutions written out, 64-token responses, exact final-answer reward);
+# the default DATA_DIR of a non-default task is OUT/data_<TASK>, so the tasks never share files.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -14,14 +17,20 @@ py="${PYTHON:-$root/.venv/bin/python}"
 out="${OUT:-$root/outputs/tiny_cpu}"
 steps="${STEPS:-3}"
 preset="${PRESET:-int8}"
+task="${TASK:-arithmetic}"
+case "$task" in
+  arithmetic) data_dir_default="$out/data"; max_response_length=16 ;;
+  chain_arithmetic) data_dir_default="$out/data_$task"; max_response_length=64 ;;
+  *) echo "unknown TASK=$task (arithmetic, chain_arithmetic)" >&2; exit 2 ;;
+esac
 preset_arg=()
 if [[ "$preset" == none ]]; then preset_arg=("actor_rollout_ref.rollout.name=vllm"); else preset_arg=("+qurl=$preset"); fi
 mkdir -p "$out"
 
 model="${MODEL_DIR:-$out/model}"
-data="${DATA_DIR:-$out/data}"
+data="${DATA_DIR:-$data_dir_default}"
 [[ -f "$model/config.json" ]] || "$py" -m qurl_recipes.tiny_model --out "$model" >/dev/null
-[[ -f "$data/train.parquet" ]] || "$py" -m qurl_recipes.data.arithmetic --out "$data" >/dev/null
+[[ -f "$data/train.parquet" ]] || "$py" -m "qurl_recipes.data.$task" --out "$data" >/dev/null
 
 metrics="$out/metrics.jsonl"
 rm -f "$metrics"
@@ -43,7 +52,7 @@ start=$(date +%s)
   data.val_files="$data/val.parquet" \
   data.train_batch_size=4 \
   data.max_prompt_length=64 \
-  data.max_response_length=16 \
+  data.max_response_length="$max_response_length" \
   data.dataloader_num_workers=0 \
   actor_rollout_ref.model.path="$model" \
   actor_rollout_ref.model.use_remove_padding=false \
@@ -63,7 +72,7 @@ start=$(date +%s)
   actor_rollout_ref.rollout.agent.num_workers=1 \
   algorithm.use_kl_in_reward=false \
   reward.num_workers=1 \
-  reward.custom_reward_function.path=pkg://qurl_recipes.rewards.arithmetic \
+  reward.custom_reward_function.path="pkg://qurl_recipes.rewards.$task" \
   reward.custom_reward_function.name=compute_score \
   transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
   ray_kwargs.ray_init.num_cpus=16 \

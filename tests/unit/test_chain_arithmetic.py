@@ -8,6 +8,8 @@ import pytest
 
 from qurl_recipes.data.chain_arithmetic import (
     DATA_SOURCE,
+    DEFAULT_MAX_OPS,
+    DEFAULT_MIN_OPS,
     draw_problems,
     main,
     make_splits,
@@ -54,7 +56,7 @@ def test_reference_steps_are_correct_and_answer_is_ground_truth():
         assert r["data_source"] == DATA_SOURCE
         final = _check_solution(r["prompt"][0]["content"], r["extra_info"]["reference"])
         assert str(final) == r["reward_model"]["ground_truth"]
-        assert 5 <= r["extra_info"]["n_ops"] <= 8
+        assert DEFAULT_MIN_OPS <= r["extra_info"]["n_ops"] <= DEFAULT_MAX_OPS
     ops = {op for p in draw_problems(200, seed=1) for op, _ in p.steps}
     assert ops == {"+", "-", "*"}
 
@@ -84,10 +86,14 @@ def test_reward_never_raises_on_garbage(garbage):
     assert compute_score(DATA_SOURCE, "Answer: 5", "not a number")["score"] == 0.0
 
 
-def test_default_reference_solutions_take_32_to_64_tokens():
-    from qurl_recipes.tiny_model import TinyModelSpec, build_tokenizer
+def test_default_reference_solutions_take_32_to_64_tokens(tmp_path):
+    """Measured with the tokenizer verl loads from the model folder (it splits numbers into digits)."""
+    from transformers import AutoTokenizer
 
-    tok = build_tokenizer(TinyModelSpec())
+    from qurl_recipes.tiny_model import build_tiny_model
+
+    build_tiny_model(tmp_path / "tiny")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "tiny")
     train, val = make_splits()
     lengths = [len(tok(r["extra_info"]["reference"], add_special_tokens=False)["input_ids"]) for r in train + val]
     assert 32 <= min(lengths) and max(lengths) + 1 <= 64  # +1: the end-of-turn token the policy also emits
