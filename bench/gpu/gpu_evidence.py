@@ -17,7 +17,7 @@ sync_cost    Re-quantizing every targeted linear of 7B- and 32B-shaped decoder l
 acr_loss     Forward+backward of ``acr_token_loss`` vs a plain PPO clipped loss at 256 x 8192 tokens.
 
     PYTHONPATH=. python bench/gpu/gpu_evidence.py --out $OUT/gpu_evidence.json
-    python bench/gpu/gpu_evidence.py --dry-run --out /tmp/e.json   # toy sizes on CPU, < 60 s
+    python bench/gpu/gpu_evidence.py --dry-run --out gpu_evidence_dry_run.json   # toy sizes on CPU, < 60 s
 """
 from __future__ import annotations
 

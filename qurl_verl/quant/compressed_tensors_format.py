@@ -38,10 +38,8 @@ TargetSpec = Callable[[str, torch.Tensor], bool] | Iterable[str] | None
 
 
 def _module_matches(module: str, pattern: str) -> bool:
-    """A ``targets`` entry: exact module name, ``re:`` regex, or a name suffix."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], module) is not None
-    return module == pattern or module.endswith("." + pattern)
+    """A ``targets`` entry: what vLLM matches (exact name, ``re:`` regex), or a name suffix."""
+    return _vllm_matches(module, pattern) or (not pattern.startswith("re:") and module.endswith("." + pattern))
 
 
 @functools.lru_cache(maxsize=1024)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qurl_verl.quant import QuantizedTensor, UpdateVisibilityTracker, resolve_format
-from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict, vllm_ignore_patterns
+from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict
 from qurl_verl.settings import RolloutSettings
 
 EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -66,7 +66,7 @@ class WeightStreamQuantizer:
     param_dtypes: Mapping[str, torch.dtype] | None = None
 
     def __post_init__(self) -> None:
-        self.ignore = vllm_ignore_patterns(self.settings.ignore_patterns)  # the list the engine was built with
+        self.ignore = self.settings.ignore_patterns  # normalized as vLLM matches it: the engine's own list
 
     def is_target(self, name: str, tensor: torch.Tensor) -> bool:
         return (
