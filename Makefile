@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 STEPS ?= 3
 
-.PHONY: venv demo test test-unit test-integration test-e2e bench report clean-outputs
+.PHONY: venv demo test test-unit test-integration test-e2e bench report study clean-outputs
 
 venv:
 	@bash scripts/install_cpu_stack.sh
@@ -29,6 +29,10 @@ bench: venv
 # SFT warm start + GRPO under five variants + plots and tables in recipes/tiny_cpu/report/
 report: venv
 	bash recipes/tiny_cpu/report/run.sh
+
+# the GRPO study at W5A8 mismatch: six variants x two seeds, tables and figures in recipes/tiny_cpu/study/
+study: venv
+	bash recipes/tiny_cpu/study/run.sh
 
 clean-outputs:
 	rm -rf outputs

@@ -56,12 +56,16 @@ def _uaq_parameter_names(model: nn.Module, targets: Iterable[str]) -> tuple[set[
 
 
 def per_group_lr_param_groups(
-    model: nn.Module, lr: float, scale: float, targets: Iterable[str] = DEFAULT_UAQ_TARGETS
+    model: nn.Module, lr: float, scale: float, targets: Iterable[str] = DEFAULT_UAQ_TARGETS,
+    weight_decay: float | None = None,
 ) -> list[dict]:
     """AdamW param groups that mimic UAQ(scale) on the unmodified model: targets lr x s, their norm lr / s.
 
     Biases of the targets keep lr: UAQ leaves them untouched, so their gradients and updates do
-    not change. Every parameter appears exactly once.
+    not change. Every parameter appears exactly once. With ``weight_decay`` each group also gets
+    the decay that keeps lr x decay at lr x ``weight_decay``: AdamW's decoupled decay shrinks a
+    parameter by lr x decay relative to itself, which UAQ's rescaling leaves unchanged, so a group
+    whose lr is multiplied by s needs its decay divided by s to match UAQ.
     """
     linears, norms = _uaq_parameter_names(model, targets)
     groups = {SCALED_LINEAR_GROUP: [], SCALED_NORM_GROUP: [], UNSCALED_GROUP: []}
@@ -69,7 +73,11 @@ def per_group_lr_param_groups(
         key = SCALED_LINEAR_GROUP if name in linears else SCALED_NORM_GROUP if name in norms else UNSCALED_GROUP
         groups[key].append(param)
     lrs = {SCALED_LINEAR_GROUP: lr * scale, SCALED_NORM_GROUP: lr / scale, UNSCALED_GROUP: lr}
-    return [{"name": key, "params": params, "lr": lrs[key]} for key, params in groups.items() if params]
+    out = [{"name": key, "params": params, "lr": lrs[key]} for key, params in groups.items() if params]
+    if weight_decay is not None:
+        for group in out:
+            group["weight_decay"] = weight_decay * lr / group["lr"]
+    return out
 
 
 def undo_uaq(model: nn.Module, scale: float, targets: Iterable[str] = DEFAULT_UAQ_TARGETS) -> nn.Module:
@@ -193,20 +201,23 @@ def compare_uaq_with_per_group_lr(model: nn.Module, prompts: torch.Tensor, rewar
                                   lr: float = 1e-3, steps: int = 3, eps: float = 1e-8, weight_decay: float = 0.0,
                                   betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None,
                                   bits: int = 8, group_size: int = 4, response_len: int = 8, loss_scale: float = 1.0,
-                                  seed: int = 0, probe: torch.Tensor | None = None) -> list[ArmComparison]:
+                                  seed: int = 0, probe: torch.Tensor | None = None,
+                                  match_decay: bool = True) -> list[ArmComparison]:
     """Run ``steps`` GRPO+ACR steps in two arms from copies of ``model`` and compare them after each step.
 
     (A) UAQ: ``apply_uaq(copy, scale)``, AdamW(lr). (B) per-group LR: unmodified copy, AdamW with
     ``per_group_lr_param_groups(copy, lr, scale)``. Both sample with the same generator seed per
     step; their quantized forwards agree (exactly for a power-of-two scale), so the tokens match
     while the arms stay equivalent. ``probe`` (default: ``prompts``) is the input for the logit
-    comparison. ``model`` itself is not modified.
+    comparison. ``match_decay`` gives each group of arm B the weight decay that matches UAQ's
+    (see ``per_group_lr_param_groups``); without it, B decays q/k/v s times faster. ``model``
+    itself is not modified.
     """
     model_uaq = apply_uaq(copy.deepcopy(model), scale)
     model_lr = copy.deepcopy(model)
     opt_uaq = torch.optim.AdamW(model_uaq.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    opt_lr = torch.optim.AdamW(per_group_lr_param_groups(model_lr, lr, scale), lr=lr, betas=betas, eps=eps,
-                               weight_decay=weight_decay)
+    groups = per_group_lr_param_groups(model_lr, lr, scale, weight_decay=weight_decay if match_decay else None)
+    opt_lr = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     probe = prompts if probe is None else probe
     step_kwargs = dict(bits=bits, group_size=group_size, response_len=response_len, loss_scale=loss_scale,
                        max_grad_norm=max_grad_norm)

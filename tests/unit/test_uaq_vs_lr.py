@@ -73,3 +73,21 @@ def test_adam_eps_breaks_the_equivalence_for_tiny_gradients(tiny_causal_lm):
                                             eps=1e-8, weight_decay=0.0, loss_scale=1e-6)
     assert results[0].same_tokens  # same start, same rollout: the difference comes from the update
     assert max(r.max_abs_logit_diff for r in results) > 100 * LOGIT_TOL
+
+
+def test_matched_weight_decay_keeps_the_arms_equal(tiny_causal_lm):
+    """AdamW decays each parameter by lr x decay relative to itself, which UAQ's rescaling keeps;
+    the per-group arm therefore matches UAQ when each group's lr x decay equals the base one."""
+    model = tiny_causal_lm("qwen2")
+    kwargs = dict(scale=SCALE, lr=LR, steps=STEPS, eps=1e-30, weight_decay=0.5, max_grad_norm=None)
+    matched = compare_uaq_with_per_group_lr(model, _prompts(), _reward, match_decay=True, **kwargs)
+    assert all(r.max_abs_logit_diff <= LOGIT_TOL for r in matched), matched
+    unmatched = compare_uaq_with_per_group_lr(model, _prompts(), _reward, match_decay=False, **kwargs)
+    assert max(r.max_abs_logit_diff for r in unmatched) > 100 * LOGIT_TOL
+
+
+def test_param_groups_carry_the_matched_decay(tiny_causal_lm):
+    groups = {g["name"]: g for g in per_group_lr_param_groups(tiny_causal_lm("qwen2"), LR, SCALE, weight_decay=0.01)}
+    for g in groups.values():  # lr x decay is the same in every group (float64 reference)
+        assert abs(g["lr"] * g["weight_decay"] - LR * 0.01) <= 1e-18
+    assert groups[SCALED_LINEAR_GROUP]["weight_decay"] < 0.01 < groups[SCALED_NORM_GROUP]["weight_decay"]

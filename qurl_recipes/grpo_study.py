@@ -1,0 +1,359 @@
+"""GRPO study of QuRL's mechanisms on the tiny model: six rollout/loss variants, pure torch.
+
+The study needs hundreds of GRPO steps per variant and seed, with 64-token answers; through
+``main_ppo`` on two CPU cores a step costs tens of seconds, so the twelve runs would take most of
+a day. This harness runs the same algorithm in one process instead:
+
+* rollout: the current fp32 weights cast to bf16 (``bf16``) or re-quantized to W{b}A8 every step
+  (``quantize_linear_modules_(fake=True)``: codes within +-(2^(b-1)-1), per-channel weight and
+  per-token activation absmax, the function vLLM's INT8 kernel computes for the same codes, see
+  ``tests/integration/test_qurl_vllm_reload.py``); temperature-1 sampling with a KV cache;
+* behaviour log-probs from the sampling pass, proximal log-probs from the fp32 model before the
+  update, GRPO advantages, ``mini_batches`` AdamW updates per rollout (so the PPO ratio moves
+  off 1 and the clip bounds bind), token-mean loss, gradient clipping, as verl's defaults;
+* losses from ``qurl_verl.losses.acr`` (Eq. 9; with w = 1 it is verl's vanilla PPO loss, see
+  ``tests/unit/test_acr_loss.py``), UAQ from ``qurl_verl.quant.apply_uaq`` and the per-group
+  learning rates from ``qurl_recipes.uaq_vs_lr``.
+
+Every step appends one JSON line (reward, KL(behav||prox), w, clip fractions, changed codes,
+timings; validation accuracy every ``val_every`` steps). A run that has logged all its steps is
+not rerun. Never imports verl or vLLM.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from qurl_recipes.data.chain_arithmetic import draw_problems
+from qurl_recipes.rewards.chain_arithmetic import final_answer
+from qurl_recipes.uaq_vs_lr import group_normalised_advantages, per_group_lr_param_groups
+from qurl_verl.losses.acr import LOG_RATIO_BOUND, acr_token_loss
+from qurl_verl.quant import apply_uaq, int_format, quantize_linear_modules_
+from qurl_verl.quant.linear import W8A8Linear
+from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How a variant rolls out and which loss it trains with."""
+
+    rollout: str  # "bf16" or "quantized" (W{b}A8)
+    loss: str  # "vanilla" (ratio to pi_prox), "naive" (ratio to pi_behav, Eq. 3), "tis" (Eq. 5), "acr" (Eq. 9)
+    uaq: bool = False
+    per_group_lr: bool = False
+
+
+VARIANTS: dict[str, Variant] = {
+    "bf16": Variant("bf16", "vanilla"),
+    "naive": Variant("quantized", "naive"),
+    "tis": Variant("quantized", "tis"),
+    "acr_no_uaq": Variant("quantized", "acr"),
+    "acr_uaq": Variant("quantized", "acr", uaq=True),
+    "acr_per_group_lr": Variant("quantized", "acr", per_group_lr=True),
+}
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    steps: int = 200
+    weight_bits: int = 5  # the mildest width whose pilot KL(behav||prox) reached 2e-3 (study README)
+    prompts_per_step: int = 16
+    group_size: int = 8
+    mini_batches: int = 2
+    lr: float = 1e-5  # 1e-4 wrecked greedy accuracy within 12 steps, BF16 included (study README)
+    weight_decay: float = 0.01  # verl's actor.optim default
+    max_grad_norm: float = 1.0
+    is_cap: float = 2.0
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    uaq_scale: float = 1.5
+    max_response_tokens: int = 64
+    n_train: int = 64
+    n_val: int = 64
+    val_every: int = 25
+    data_seed: int = 0
+
+    def __post_init__(self):
+        int_format(self.weight_bits)  # validates 4..8
+        if self.mini_batches < 1 or (self.prompts_per_step * self.group_size) % self.mini_batches:
+            raise ValueError(f"{self.prompts_per_step} x {self.group_size} responses do not split into "
+                             f"{self.mini_batches} equal mini-batches")
+        if self.steps < 1 or self.val_every < 1:
+            raise ValueError("steps and val_every must be positive")
+
+
+def build_rollout(model: nn.Module, variant: Variant, weight_bits: int) -> nn.Module:
+    """The policy the engine would hold after this step's weight sync (a copy; ``model`` untouched)."""
+    copy = _clone(model)
+    if variant.rollout == "bf16":
+        return copy.to(torch.bfloat16)
+    return quantize_linear_modules_(copy, fmt=int_format(weight_bits), fake=True)
+
+
+def _clone(model: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(model).eval()
+
+
+def quantized_codes(rollout: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: m.weight.clone() for name, m in rollout.named_modules() if isinstance(m, W8A8Linear)}
+
+
+def changed_code_shares(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
+                        targets=DEFAULT_UAQ_TARGETS) -> tuple[float, float]:
+    """(share of all quantized weight codes that changed, the same over UAQ's q/k/v targets)."""
+    changed = total = changed_t = total_t = 0
+    for name, codes in after.items():
+        n = int((codes != before[name]).sum())
+        changed, total = changed + n, total + codes.numel()
+        if name.rsplit(".", 1)[-1] in targets:
+            changed_t, total_t = changed_t + n, total_t + codes.numel()
+    return changed / max(total, 1), changed_t / max(total_t, 1)
+
+
+@dataclass
+class Rollout:
+    sequences: torch.Tensor  # [N, Lp + L] left-padded prompt, then the response (pad after EOS)
+    attention_mask: torch.Tensor  # [N, Lp + L]
+    response_mask: torch.Tensor  # [N, L] response tokens up to and including EOS
+    behaviour_log_probs: torch.Tensor  # [N, L] log pi_behav of the sampled tokens (float32)
+    texts: list[str]
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def sample(policy: nn.Module, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
+           seed: int, greedy: bool = False) -> Rollout:
+    """``group_size`` temperature-1 samples per prompt (or one greedy answer), with their log-probs."""
+    tokenizer.padding_side = "left"
+    enc = tokenizer([p for p in prompts for _ in range(group_size)], return_tensors="pt", padding=True,
+                    add_special_tokens=False)
+    torch.manual_seed(seed)
+    out = policy.generate(**enc, do_sample=not greedy, temperature=None if greedy else 1.0, top_k=0, top_p=1.0,
+                          max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                          eos_token_id=tokenizer.eos_token_id, output_logits=True, return_dict_in_generate=True)
+    prompt_len = enc["input_ids"].shape[1]
+    response = out.sequences[:, prompt_len:]
+    logits = torch.stack(out.logits, dim=1).float()  # [N, L, V], raw (temperature 1, no top-k/p)
+    behaviour = torch.log_softmax(logits, dim=-1).gather(-1, response[..., None]).squeeze(-1)
+    is_eos = response == tokenizer.eos_token_id
+    ended_before = (is_eos.cumsum(-1) - is_eos.long()) > 0  # an EOS strictly earlier in the row
+    response_mask = ~ended_before
+    attention_mask = torch.cat([enc["attention_mask"], response_mask.long()], dim=1)
+    texts = tokenizer.batch_decode(response, skip_special_tokens=True)
+    return Rollout(out.sequences, attention_mask, response_mask, behaviour, texts)
+
+
+def response_log_probs(model: nn.Module, rollout: Rollout, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+    """log pi(response token | prefix) under ``model`` for the given rows, [n, L] float32."""
+    seqs, mask = rollout.sequences[rows], rollout.attention_mask[rows]
+    length = rollout.response_mask.shape[1]
+    logits = model(input_ids=seqs, attention_mask=mask, position_ids=_position_ids(mask)).logits
+    logits = logits[:, -length - 1:-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, seqs[:, -length:, None]).squeeze(-1)
+
+
+def exact_rewards(texts: list[str], answers: list[int]) -> torch.Tensor:
+    return torch.tensor([float(final_answer(t) == a) for t, a in zip(texts, answers)])
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x * mask).sum() / mask.sum().clamp(min=1))
+
+
+def mismatch_stats(log_w: torch.Tensor, mask: torch.Tensor, is_cap: float) -> dict[str, float]:
+    """KL(pi_behav || pi_prox) estimators over the sampled tokens and the spread of w = pi_prox / pi_behav."""
+    log_w = log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    w = log_w.exp()
+    on = mask.bool()
+    return {
+        "kl_k1": masked_mean(-log_w, mask),
+        "kl_k3": masked_mean(w - 1 - log_w, mask),
+        "w_max": float(w[on].max()),
+        "w_frac_above_c": masked_mean((w > is_cap).float(), mask),
+    }
+
+
+class StudyRun:
+    """One variant, one seed: the GRPO loop and its per-step record."""
+
+    def __init__(self, model_dir: str | Path, variant: str, seed: int, settings: StudySettings):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; expected one of {list(VARIANTS)}")
+        self.name, self.variant, self.seed, self.settings = variant, VARIANTS[variant], seed, settings
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = apply_uaq(model, settings.uaq_scale) if self.variant.uaq else model
+        s = settings
+        params = (per_group_lr_param_groups(self.model, s.lr, s.uaq_scale, weight_decay=s.weight_decay)
+                  if self.variant.per_group_lr else self.model.parameters())
+        self.optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+        train = draw_problems(s.n_train, s.data_seed)
+        val = draw_problems(s.n_val, s.data_seed + 1, exclude=set(train))
+        self.train = [(self._prompt(p.question()), p.answer()) for p in train]
+        self.val = [(self._prompt(p.question()), p.answer()) for p in val]
+        self._order = random.Random(seed)
+        self._queue: list[int] = []
+        self._codes: dict[str, torch.Tensor] | None = None
+
+    def _prompt(self, question: str) -> str:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                  tokenize=False)
+
+    def _next_prompts(self) -> list[tuple[str, int]]:
+        picked = []
+        while len(picked) < self.settings.prompts_per_step:
+            if not self._queue:
+                self._queue = list(range(len(self.train)))
+                self._order.shuffle(self._queue)
+            picked.append(self.train[self._queue.pop()])
+        return picked
+
+    def validate(self, rollout_policy: nn.Module) -> float:
+        """Greedy accuracy on the validation questions, on the variant's own rollout policy."""
+        out = sample(rollout_policy, self.tokenizer, [p for p, _ in self.val], 1, self.settings.max_response_tokens,
+                     seed=0, greedy=True)
+        return float(exact_rewards(out.texts, [a for _, a in self.val]).mean())
+
+    def step(self, step: int) -> dict:
+        s, v = self.settings, self.variant
+        t0 = time.perf_counter()
+        policy = build_rollout(self.model, v, s.weight_bits)
+        sync_s = time.perf_counter() - t0
+        record: dict = {"step": step}
+        codes = quantized_codes(policy)
+        if codes and self._codes is not None:
+            record["changed_code_share"], record["changed_code_share_qkv"] = changed_code_shares(self._codes, codes)
+        self._codes = codes
+        if step % s.val_every == 0:
+            record["val_acc"] = self.validate(policy)
+
+        t1 = time.perf_counter()
+        batch = self._next_prompts()
+        rollout = sample(policy, self.tokenizer, [p for p, _ in batch], s.group_size, s.max_response_tokens,
+                         seed=self.seed * 1_000_003 + step)
+        answers = [a for _, a in batch for _ in range(s.group_size)]
+        rewards = exact_rewards(rollout.texts, answers)
+        rollout_s = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        mask = rollout.response_mask.float()
+        with torch.no_grad():
+            prox = response_log_probs(self.model, rollout)
+        log_w = prox - rollout.behaviour_log_probs
+        record.update(mismatch_stats(log_w, mask, s.is_cap))
+        advantages = group_normalised_advantages(rewards, s.group_size)[:, None].expand_as(mask)
+        old = rollout.behaviour_log_probs if v.loss == "naive" else prox
+        loss_log_w = log_w if v.loss in ("tis", "acr") else torch.zeros_like(log_w)
+        clip_upper = clip_lower = upper_bound_max = 0.0
+        rows = torch.randperm(mask.shape[0], generator=torch.Generator().manual_seed(self.seed * 7919 + step))
+        for part in rows.chunk(s.mini_batches):
+            log_prob = response_log_probs(self.model, rollout, part)
+            loss_mat, stats = acr_token_loss(log_prob, old[part], loss_log_w[part], advantages[part], mask[part],
+                                             is_cap=s.is_cap, clip_ratio_low=s.clip_ratio_low,
+                                             clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
+                                             adaptive=v.loss == "acr")
+            loss = (loss_mat * mask[part]).sum() / mask[part].sum().clamp(min=1)  # token-mean
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
+            self.optimizer.step()
+            d = stats.as_dict()
+            clip_upper += d["clipfrac_upper"] / s.mini_batches
+            clip_lower += d["clipfrac_lower"] / s.mini_batches
+            upper_bound_max = max(upper_bound_max, d["upper_bound_max"])
+        record.update(
+            reward=float(rewards.mean()),
+            response_tokens=float(mask.sum(1).mean()),
+            clipfrac_upper=clip_upper,
+            clipfrac_lower=clip_lower,
+            upper_bound_max=upper_bound_max,
+            sync_s=sync_s,
+            rollout_s=rollout_s,
+            train_s=time.perf_counter() - t2,
+            step_s=time.perf_counter() - t0,
+        )
+        return record
+
+
+def cpu_description() -> dict:
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    isa = "amx" if "amx_tile" in flags else "avx512_vnni" if "avx512_vnni" in flags else "avx2" if "avx2" in flags else "other"
+    return {"model": model, "isa": isa, "torch_threads": torch.get_num_threads()}
+
+
+def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings, out_dir: str | Path) -> Path:
+    """Run (or keep) one variant/seed; returns its folder with ``metrics.jsonl`` and ``run.json``."""
+    folder = Path(out_dir) / variant / f"seed{seed}"
+    metrics, summary = folder / "metrics.jsonl", folder / "run.json"
+    if summary.exists() and json.loads(summary.read_text()).get("settings") == asdict(settings):
+        print(f"[study] {variant} seed {seed}: finished earlier, kept ({folder})", flush=True)
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    study = StudyRun(model_dir, variant, seed, settings)
+    partial = metrics.with_suffix(".jsonl.partial")
+    t0 = time.perf_counter()
+    with partial.open("w") as f:
+        for step in range(settings.steps):
+            record = study.step(step)
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            if step % 10 == 0 or step == settings.steps - 1:
+                print(f"[study] {variant} seed {seed} step {step}: reward {record['reward']:.3f} "
+                      f"kl {record['kl_k3']:.2e} w_max {record['w_max']:.2f} {record['step_s']:.1f}s", flush=True)
+        final = build_rollout(study.model, study.variant, settings.weight_bits)
+        f.write(json.dumps({"step": settings.steps, "val_acc": study.validate(final)}) + "\n")
+    partial.replace(metrics)
+    summary.write_text(json.dumps({
+        "variant": variant, "seed": seed, "settings": asdict(settings), "model_dir": str(model_dir),
+        "cpu": cpu_description(), "wall_s": round(time.perf_counter() - t0, 1),
+    }, indent=1, sort_keys=True) + "\n")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Pure-torch GRPO study of QuRL's variants on the tiny model.")
+    ap.add_argument("--model", required=True, help="warm-started HF folder (python -m qurl_recipes.tiny_sft)")
+    ap.add_argument("--out", required=True, help="runs go to OUT/<variant>/seed<k>/")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("QURL_STUDY_THREADS", 1)))
+    for f, default in asdict(StudySettings()).items():
+        ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
+    a = vars(ap.parse_args(argv))
+    model, out, variants, seeds = a.pop("model"), a.pop("out"), a.pop("variants"), a.pop("seeds")
+    torch.set_num_threads(a.pop("threads"))
+    settings = StudySettings(**a)
+    for variant in variants:
+        for seed in seeds:
+            run(model, variant, seed, settings, out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""Tables, claim checks and figures of the GRPO study (``qurl_recipes.grpo_study``), across seeds.
+
+Every statistic is computed per seed first and then summarised across seeds as a mean and its
+standard error (sample standard deviation / sqrt(seeds)), so the error bars are seed-to-seed
+variation, not step-to-step noise. A difference between two variants counts only beyond twice
+the standard error of the difference (sqrt(se_a^2 + se_b^2)). Pure Python + matplotlib.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+from qurl_recipes.repro_report import moving_average
+
+VARIANT_LABELS = {
+    "bf16": "BF16 rollout",
+    "naive": "naive W{b}A8 (Eq. 3)",
+    "tis": "W{b}A8 + TIS",
+    "acr_no_uaq": "W{b}A8 + ACR",
+    "acr_uaq": "W{b}A8 + ACR + UAQ",
+    "acr_per_group_lr": "W{b}A8 + ACR + per-group LR",
+}
+VARIANT_COLORS = {"bf16": "tab:blue", "naive": "tab:orange", "tis": "tab:green", "acr_no_uaq": "tab:red",
+                  "acr_uaq": "tab:purple", "acr_per_group_lr": "tab:brown"}
+SMOOTH = 10  # moving-average window of the per-step curves
+SIGNIFICANCE = 2.0  # differences count beyond this many standard errors
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean across seeds and its standard error (nan with one seed: no seed-to-seed estimate)."""
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return float("nan"), float("nan")
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return statistics.fmean(values), se
+
+
+def window(n_steps: int) -> int:
+    """Steps averaged for the first/last reward: a tenth of the run, at least one."""
+    return max(1, n_steps // 10)
+
+
+def _train_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "reward" in r]
+
+
+def seed_statistics(rows: list[dict], is_cap: float) -> dict:
+    """One seed's numbers from its per-step records (``metrics.jsonl``)."""
+    train = _train_rows(rows)
+    n = len(train)
+    w = window(n)
+    rewards = [r["reward"] for r in train]
+    kl = [r["kl_k3"] for r in train]
+    half = n // 2
+    changed = [r["changed_code_share"] for r in train if "changed_code_share" in r]
+    changed_qkv = [r["changed_code_share_qkv"] for r in train if "changed_code_share_qkv" in r]
+    val = sorted((r["step"], r["val_acc"]) for r in rows if "val_acc" in r)
+    return {
+        "steps": n,
+        "reward_first": statistics.fmean(rewards[:w]),
+        "reward_last": statistics.fmean(rewards[-w:]),
+        "kl_mean": statistics.fmean(kl),
+        "kl_first_half": statistics.fmean(kl[:half]) if half else float("nan"),
+        "kl_second_half": statistics.fmean(kl[half:]),
+        "w_max": max(r["w_max"] for r in train),
+        "w_above_c_step_share": sum(r["w_max"] > is_cap for r in train) / n,
+        "w_frac_above_c_mean": statistics.fmean(r["w_frac_above_c"] for r in train),
+        "clipfrac_upper_mean": statistics.fmean(r["clipfrac_upper"] for r in train),
+        "changed_code_share": statistics.fmean(changed) if changed else float("nan"),
+        "changed_code_share_qkv": statistics.fmean(changed_qkv) if changed_qkv else float("nan"),
+        "val_acc_first": val[0][1] if val else float("nan"),
+        "val_acc_last": val[-1][1] if val else float("nan"),
+        "sync_s": statistics.fmean(r["sync_s"] for r in train),
+        "step_s": statistics.fmean(r["step_s"] for r in train),
+    }
+
+
+# quantities summarised as mean +- se across seeds; w_max is the maximum over seeds
+AVERAGED = ("reward_first", "reward_last", "kl_mean", "kl_first_half", "kl_second_half", "w_above_c_step_share",
+            "w_frac_above_c_mean", "clipfrac_upper_mean", "changed_code_share", "changed_code_share_qkv",
+            "val_acc_first", "val_acc_last", "sync_s", "step_s")
+
+
+def variant_summary(per_seed: dict[int, dict]) -> dict:
+    """Across-seed summary of one variant from its ``seed_statistics``."""
+    stats = list(per_seed.values())
+    out: dict = {"seeds": sorted(per_seed), "steps": min(s["steps"] for s in stats),
+                 "w_max": max(s["w_max"] for s in stats)}
+    for key in AVERAGED:
+        m, se = mean_se([s[key] for s in stats])
+        out[key], out[f"{key}_se"] = m, se
+    m, se = mean_se([s["kl_second_half"] - s["kl_first_half"] for s in stats])
+    out["kl_drift"], out["kl_drift_se"] = m, se
+    return out
+
+
+def difference(a: dict, b: dict, key: str) -> tuple[float, float]:
+    """a[key] - b[key] and its standard error, from two independent across-seed summaries."""
+    return a[key] - b[key], math.hypot(a[f"{key}_se"], b[f"{key}_se"])
+
+
+def beyond_noise(diff: float, se: float) -> bool:
+    return not math.isnan(se) and abs(diff) > SIGNIFICANCE * se
+
+
+def _fmt(diff: float, se: float, spec: str = ".3f") -> str:
+    return f"{diff:+{spec}} ± {se:{spec}}"
+
+
+def claim_checks(s: dict[str, dict]) -> list[dict]:
+    """The issue's six claims, each with its measure and a verdict computed from the summaries."""
+    checks = []
+
+    def add(claim, measure, verdict):
+        checks.append({"claim": claim, "measure": measure, "verdict": verdict})
+
+    if {"naive", "bf16"} <= s.keys():
+        d, se = difference(s["naive"], s["bf16"], "reward_last")
+        add("naive quantized rollout degrades", f"end reward naive − BF16 {_fmt(d, se)}",
+            "reproduced" if d < 0 and beyond_noise(d, se) else "not reproduced")
+    if "tis" in s:
+        t = s["tis"]
+        add("TIS drifts (KL(behav‖prox) grows over the run)",
+            f"KL second − first half {_fmt(t['kl_drift'], t['kl_drift_se'], '.2e')}",
+            "reproduced" if t["kl_drift"] > 0 and beyond_noise(t["kl_drift"], t["kl_drift_se"]) else "not reproduced")
+    if {"tis", "acr_no_uaq"} <= s.keys():
+        d, se = difference(s["acr_no_uaq"], s["tis"], "reward_last")
+        dk, sek = difference(s["acr_no_uaq"], s["tis"], "kl_drift")
+        share = s["tis"]["w_above_c_step_share"]
+        if share == 0:
+            verdict = "not testable (no w > C: ACR is TIS)"
+        elif (d > 0 and beyond_noise(d, se)) or (dk < 0 and beyond_noise(dk, sek)):
+            verdict = "reproduced"
+        else:
+            verdict = "not reproduced"
+        add("ACR stays stable where TIS drifts",
+            f"end reward ACR − TIS {_fmt(d, se)}; KL drift ACR − TIS {_fmt(dk, sek, '.2e')}; "
+            f"steps with w > C (TIS) {share:.2f}", verdict)
+    if {"acr_uaq", "acr_no_uaq"} <= s.keys():
+        d, se = difference(s["acr_uaq"], s["acr_no_uaq"], "changed_code_share")
+        ratio = s["acr_uaq"]["changed_code_share"] / s["acr_no_uaq"]["changed_code_share"]
+        add("UAQ makes more weight updates visible", f"changed codes per step ×{ratio:.2f} ({_fmt(d, se, '.4f')})",
+            "reproduced" if d > 0 and beyond_noise(d, se) else "not reproduced")
+    if {"acr_uaq", "acr_no_uaq", "bf16"} <= s.keys():
+        gap, gap_se = difference(s["acr_no_uaq"], s["bf16"], "reward_last")
+        gap_uaq, gap_uaq_se = difference(s["acr_uaq"], s["bf16"], "reward_last")
+        if not (gap < 0 and beyond_noise(gap, gap_se)):
+            verdict = "no gap to close (ACR without UAQ already within noise of BF16 or above)"
+        elif not beyond_noise(gap_uaq, gap_uaq_se) or gap_uaq > 0:
+            verdict = "reproduced"
+        else:
+            verdict = "not reproduced"
+        add("UAQ closes the gap to BF16",
+            f"end reward − BF16: ACR {_fmt(gap, gap_se)}, ACR + UAQ {_fmt(gap_uaq, gap_uaq_se)}", verdict)
+    if {"acr_uaq", "acr_per_group_lr"} <= s.keys():
+        keys = ("reward_last", "changed_code_share", "kl_mean")
+        diffs = {k: difference(s["acr_per_group_lr"], s["acr_uaq"], k) for k in keys}
+        agree = not any(beyond_noise(*diffs[k]) for k in keys)
+        add("UAQ ≈ per-group learning rate (q/k/v lr × s, norm lr / s)",
+            "; ".join(f"{k} per-group − UAQ {_fmt(*diffs[k], '.4f')}" for k in keys),
+            "agree within seed noise" if agree else "differ beyond seed noise")
+    return checks
+
+
+def load_runs(runs_dir: Path, variants: list[str]) -> dict[str, dict[int, tuple[list[dict], dict]]]:
+    """variant -> seed -> (per-step records, run.json) for every finished run under ``runs_dir``."""
+    out: dict[str, dict[int, tuple[list[dict], dict]]] = {}
+    for variant in variants:
+        for summary in sorted((runs_dir / variant).glob("seed*/run.json")):
+            run = json.loads(summary.read_text())
+            rows = [json.loads(line) for line in (summary.parent / "metrics.jsonl").read_text().splitlines() if line]
+            out.setdefault(variant, {})[run["seed"]] = (rows, run)
+    return out
+
+
+def _curve(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if key in r and r[key] is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+CURVES = {  # file name -> (metric, y label, log scale, smoothed)
+    "reward": ("reward", "train reward (exact final answer)", False, True),
+    "mismatch_kl": ("kl_k3", "KL(behav ‖ prox), k3 estimator", True, True),
+    "max_w": ("w_max", "max w = π_prox / π_behav in the step", False, True),
+    "share_above_c": ("w_frac_above_c", "share of tokens with w > C", False, True),
+    "changed_codes": ("changed_code_share", "share of weight codes changed by the step", False, True),
+    "val_accuracy": ("val_acc", "validation accuracy (greedy, own rollout policy)", False, False),
+}
+
+
+def _draw(ax, runs, variant, key, smooth, bits):
+    import numpy as np
+
+    curves = [_curve(rows, key) for rows, _ in runs[variant].values()]
+    curves = [c for c in curves if c[1]]
+    if not curves:
+        return False
+    n = min(len(c[1]) for c in curves)
+    steps = curves[0][0][:n]
+    values = np.array([(moving_average(c[1], SMOOTH) if smooth else c[1])[:n] for c in curves])
+    color = VARIANT_COLORS.get(variant)
+    ax.plot(steps, values.mean(0), color=color, lw=1.6, marker="o" if not smooth else None, ms=3,
+            label=VARIANT_LABELS.get(variant, variant).format(b=bits))
+    if len(values) > 1:
+        ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.15, lw=0)
+    return True
+
+
+def plot(runs, out_dir: Path, bits: int, is_cap: float) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    seeds_note = "mean over seeds, shaded: min–max across seeds"
+    for name, (key, ylabel, logy, smooth) in CURVES.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+        drawn = [_draw(ax, runs, v, key, smooth, bits) for v in runs]
+        if not any(drawn):
+            plt.close(fig)
+            continue
+        if name == "max_w":
+            ax.axhline(is_cap, color="k", ls=":", lw=1, label=f"C = {is_cap:g}")
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{ylabel}\n({SMOOTH}-step moving average; {seeds_note})" if smooth
+                     else f"{ylabel}\n({seeds_note})", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    arms = [v for v in ("acr_uaq", "acr_per_group_lr") if v in runs]
+    if len(arms) == 2:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), dpi=110)
+        for ax, (key, ylabel) in zip(axes, (("reward", "train reward"), ("changed_code_share_qkv", "q/k/v codes changed"),
+                                            ("kl_k3", "KL(behav ‖ prox)"))):
+            for v in arms:
+                _draw(ax, runs, v, key, True, bits)
+            ax.set_xlabel("GRPO step")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        fig.suptitle(f"UAQ against a per-group learning rate ({SMOOTH}-step moving average; {seeds_note})", fontsize=9)
+        fig.tight_layout()
+        path = out_dir / "uaq_vs_per_group_lr.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+TABLE_COLUMNS = (  # key, header, format
+    ("reward_first", "reward first", ".3f"), ("reward_last", "reward last", ".3f"),
+    ("val_acc_first", "val acc start", ".3f"), ("val_acc_last", "val acc end", ".3f"),
+    ("kl_mean", "KL mean", ".2e"), ("kl_first_half", "KL 1st half", ".2e"), ("kl_second_half", "KL 2nd half", ".2e"),
+    ("w_above_c_step_share", "steps with w > C", ".2f"), ("changed_code_share", "codes changed", ".4f"),
+    ("sync_s", "sync s", ".3f"), ("step_s", "step s", ".2f"),
+)
+
+
+def markdown(summaries: dict[str, dict], checks: list[dict], settings: dict, cpu: dict, bits: int) -> str:
+    lines = ["# GRPO study: results (generated by `python -m qurl_recipes.study_report`)", "",
+             f"Weight bits {bits}, {settings['steps']} steps, lr {settings['lr']:g}, "
+             f"{settings['prompts_per_step']} prompts × {settings['group_size']} samples, C = {settings['is_cap']:g}. "
+             f"CPU: {cpu.get('model', '?')} ({cpu.get('isa', '?')}). Values: mean ± standard error across seeds.", "",
+             "| variant | seeds | " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " | max w |",
+             "|---|---|" + "---:|" * (len(TABLE_COLUMNS) + 1)]
+    for v, s in summaries.items():
+        cells = []
+        for key, _, spec in TABLE_COLUMNS:
+            m, se = s[key], s[f"{key}_se"]
+            cells.append("n/a" if math.isnan(m) else f"{m:{spec}}" + ("" if math.isnan(se) else f" ± {se:{spec}}"))
+        lines.append(f"| {VARIANT_LABELS.get(v, v).format(b=bits)} | {len(s['seeds'])} | " + " | ".join(cells)
+                     + f" | {s['w_max']:.2f} |")
+    lines += ["", "| claim | measure | verdict |", "|---|---|---|"]
+    lines += [f"| {c['claim']} | {c['measure']} | {c['verdict']} |" for c in checks]
+    return "\n".join(lines) + "\n"
+
+
+def build_report(runs_dir: Path, variants: list[str], out_dir: Path) -> dict:
+    runs = load_runs(runs_dir, variants)
+    if not runs:
+        raise SystemExit(f"no finished runs under {runs_dir}")
+    first = next(iter(next(iter(runs.values())).values()))[1]
+    settings, cpu = first["settings"], first["cpu"]
+    for variant, seeds in runs.items():
+        for seed, (_, run) in seeds.items():
+            if run["settings"] != settings:
+                raise SystemExit(f"{variant} seed {seed} ran with other settings than the rest; rerun it or remove it")
+    is_cap, bits = settings["is_cap"], settings["weight_bits"]
+    summaries = {v: variant_summary({seed: seed_statistics(rows, is_cap) for seed, (rows, _) in seeds.items()})
+                 for v, seeds in runs.items()}
+    checks = claim_checks(summaries)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = plot(runs, out_dir, bits, is_cap)
+    result = {"settings": settings, "cpu": cpu, "variants": summaries, "claims": checks,
+              "figures": [p.name for p in figures]}
+    (out_dir / "results.json").write_text(json.dumps(result, indent=1, sort_keys=True, default=float) + "\n")
+    (out_dir / "results.md").write_text(markdown(summaries, checks, settings, cpu, bits))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Tables, claims and figures of the GRPO study.")
+    ap.add_argument("--runs", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANT_LABELS))
+    a = ap.parse_args(argv)
+    result = build_report(a.runs, a.variants, a.out)
+    for c in result["claims"]:
+        print(f"[report] {c['claim']}: {c['verdict']} ({c['measure']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GRPO study of QuRL's mechanisms at W{b}A8 mismatch (`make study`): SFT warm start of the tiny
+# model on chain arithmetic, then six variants x two seeds in the pure-torch harness
+# (qurl_recipes.grpo_study), then tables, claim checks and figures in this folder.
+#
+# Environment: OUT (default outputs/tiny_cpu_study) holds the model and runs; STEPS (default 200)
+# GRPO steps per run; WEIGHT_BITS (default 5); LR (default 1e-5); SFT_STEPS (default 900);
+# VARIANTS (default: all six) and SEEDS (default "1 2"); JOBS (default 2) runs that many seeds side
+# by side, one thread each; REPORT_ONLY=1 redraws the report from the runs under OUT; REPORT_DIR
+# (default: this folder) receives the figures and tables.
+# A run that finished with the same settings is kept; change a setting and it reruns.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../../.." && pwd)"
+cd "$root"
+py="${PYTHON:-$root/.venv/bin/python}"
+out="${OUT:-$root/outputs/tiny_cpu_study}"
+variants="${VARIANTS:-bf16 naive tis acr_no_uaq acr_uaq acr_per_group_lr}"
+seeds="${SEEDS:-1 2}"
+jobs="${JOBS:-2}"
+sft_steps="${SFT_STEPS:-900}"
+settings=(--steps "${STEPS:-200}" --weight-bits "${WEIGHT_BITS:-5}" --lr "${LR:-1e-5}")
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+mkdir -p "$out"
+
+if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
+  model="$out/sft_chain_$sft_steps"
+  if [[ ! -f "$model/qurl_tiny_sft.json" ]]; then
+    [[ -f "$out/base_model/config.json" ]] || "$py" -m qurl_recipes.tiny_model --out "$out/base_model" >/dev/null
+    "$py" -m qurl_recipes.tiny_sft --base "$out/base_model" --out "$model" --task chain_arithmetic --steps "$sft_steps"
+  fi
+  # seeds side by side, each process with one thread; every process runs all variants of its seeds.
+  # If one fails or the script is interrupted, the others are stopped too (finished runs are kept).
+  trap 'jobs -p | xargs -r kill 2>/dev/null || true' EXIT
+  pids=()
+  i=0
+  for seed in $seeds; do
+    # shellcheck disable=SC2086  # $variants is a list
+    "$py" -m qurl_recipes.grpo_study --model "$model" --out "$out/runs" --variants $variants --seeds "$seed" \
+      --threads 1 "${settings[@]}" > "$out/seed$seed.log" 2>&1 &
+    pids+=($!)
+    i=$((i + 1))
+    if (( i % jobs == 0 )); then
+      for p in "${pids[@]}"; do wait "$p" || { echo "[study] a run failed; logs: $out/seed*.log" >&2; exit 1; }; done
+      pids=()
+    fi
+  done
+  for p in "${pids[@]}"; do wait "$p" || { echo "[study] a run failed; logs: $out/seed*.log" >&2; exit 1; }; done
+fi
+# shellcheck disable=SC2086
+"$py" -m qurl_recipes.study_report --runs "$out/runs" --variants $variants --out "${REPORT_DIR:-$here}"

@@ -1,0 +1,126 @@
+"""The GRPO study's report maths (qurl_recipes.study_report) against hand computations."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+
+from qurl_recipes.study_report import (
+    build_report,
+    claim_checks,
+    mean_se,
+    seed_statistics,
+    variant_summary,
+)
+
+C = 2.0
+
+
+def _rows(rewards, kls, w_maxes, changed=0.01, val=(0.1, 0.3)):
+    rows = []
+    for i, (r, k, w) in enumerate(zip(rewards, kls, w_maxes)):
+        row = {"step": i, "reward": r, "kl_k3": k, "w_max": w, "w_frac_above_c": 0.001 if w > C else 0.0,
+               "clipfrac_upper": 0.01, "sync_s": 0.01, "step_s": 1.0, "changed_code_share_qkv": changed}
+        if i:
+            row["changed_code_share"] = changed
+        if i == 0:
+            row["val_acc"] = val[0]
+        rows.append(row)
+    rows.append({"step": len(rewards), "val_acc": val[1]})
+    return rows
+
+
+def test_seed_statistics_by_hand():
+    rewards = [0.1 * i for i in range(20)]
+    kls = [1e-3] * 10 + [3e-3] * 10
+    w = [1.5] * 15 + [2.5] * 5
+    s = seed_statistics(_rows(rewards, kls, w), C)
+    assert s["steps"] == 20
+    assert math.isclose(s["reward_first"], (0.0 + 0.1) / 2)  # a tenth of 20 steps: 2
+    assert math.isclose(s["reward_last"], (1.8 + 1.9) / 2)
+    assert math.isclose(s["kl_first_half"], 1e-3) and math.isclose(s["kl_second_half"], 3e-3)
+    assert s["w_max"] == 2.5 and s["w_above_c_step_share"] == 5 / 20
+    assert (s["val_acc_first"], s["val_acc_last"]) == (0.1, 0.3)
+
+
+def test_mean_se_is_the_across_seed_standard_error():
+    m, se = mean_se([0.2, 0.4, 0.9])
+    assert math.isclose(m, 0.5)
+    assert math.isclose(se, statistics.stdev([0.2, 0.4, 0.9]) / math.sqrt(3))
+    assert math.isnan(mean_se([0.3])[1])  # one seed: no seed-to-seed error, never a fake zero
+
+
+def _summary(reward_last, se, kl_drift=0.0, changed=0.01, share=0.5, **extra):
+    s = {"seeds": [1, 2], "steps": 150, "w_max": 3.0}
+    base = dict(reward_first=0.1, reward_last=reward_last, kl_mean=2e-3, kl_first_half=2e-3,
+                kl_second_half=2e-3 + kl_drift, kl_drift=kl_drift, w_above_c_step_share=share,
+                w_frac_above_c_mean=1e-3, clipfrac_upper_mean=0.01, changed_code_share=changed,
+                changed_code_share_qkv=changed, val_acc_first=0.1, val_acc_last=0.2, sync_s=0.01, step_s=1.0)
+    base.update(extra)
+    for k, v in base.items():
+        s[k], s[f"{k}_se"] = v, se if k == "reward_last" else 1e-4 if k == "kl_drift" else 1e-4
+    return s
+
+
+def _verdicts(summaries):
+    return {c["claim"].split(" (")[0]: c["verdict"] for c in claim_checks(summaries)}
+
+
+def test_claims_follow_the_two_standard_error_rule():
+    s = {"bf16": _summary(0.50, 0.01), "naive": _summary(0.40, 0.01), "tis": _summary(0.42, 0.01, kl_drift=1e-3),
+         "acr_no_uaq": _summary(0.45, 0.01, changed=0.010), "acr_uaq": _summary(0.49, 0.01, changed=0.015),
+         "acr_per_group_lr": _summary(0.485, 0.01, changed=0.0151)}
+    v = _verdicts(s)
+    assert v["naive quantized rollout degrades"] == "reproduced"  # -0.10 vs 2 x 0.014
+    assert v["TIS drifts"] == "reproduced"
+    assert v["ACR stays stable where TIS drifts"] == "reproduced"  # +0.03 > 2 x 0.0141
+    assert v["UAQ makes more weight updates visible"] == "reproduced"
+    assert v["UAQ closes the gap to BF16"] == "reproduced"  # ACR -0.05 beyond noise, ACR+UAQ -0.01 within
+    assert v["UAQ ≈ per-group learning rate"] == "agree within seed noise"
+
+    s["naive"] = _summary(0.48, 0.01)  # -0.02 is within 2 x 0.0141
+    s["tis"] = _summary(0.42, 0.01, share=0.0)
+    s["acr_no_uaq"] = _summary(0.49, 0.01)
+    s["acr_per_group_lr"] = _summary(0.40, 0.01)
+    v = _verdicts(s)
+    assert v["naive quantized rollout degrades"] == "not reproduced"
+    assert v["TIS drifts"] == "not reproduced"
+    assert v["ACR stays stable where TIS drifts"].startswith("not testable")
+    assert v["UAQ closes the gap to BF16"].startswith("no gap to close")
+    assert v["UAQ ≈ per-group learning rate"] == "differ beyond seed noise"
+
+
+def test_build_report_writes_results_and_figures(tmp_path):
+    settings = {"steps": 20, "weight_bits": 5, "lr": 1e-4, "prompts_per_step": 4, "group_size": 2, "is_cap": C}
+    for variant, offset in (("bf16", 0.0), ("acr_uaq", 0.05), ("acr_per_group_lr", 0.04)):
+        for seed in (1, 2):
+            folder = tmp_path / "runs" / variant / f"seed{seed}"
+            folder.mkdir(parents=True)
+            rows = _rows([offset + 0.01 * (i + seed) for i in range(20)], [1e-3 * seed] * 20, [1.0 + 0.1 * seed] * 20)
+            (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+            (folder / "run.json").write_text(json.dumps({"seed": seed, "variant": variant, "settings": settings,
+                                                         "cpu": {"model": "x", "isa": "avx2"}}))
+    result = build_report(tmp_path / "runs", ["bf16", "acr_uaq", "acr_per_group_lr", "naive"], tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    bf16 = saved["variants"]["bf16"]
+    assert bf16["seeds"] == [1, 2] and bf16["steps"] == 20
+    per_seed_last = [statistics.fmean([0.01 * (i + s) for i in range(18, 20)]) for s in (1, 2)]
+    assert math.isclose(bf16["reward_last"], statistics.fmean(per_seed_last))
+    assert math.isclose(bf16["reward_last_se"], statistics.stdev(per_seed_last) / math.sqrt(2))
+    assert math.isclose(bf16["kl_mean"], 1.5e-3) and bf16["w_above_c_step_share"] == 0.0
+    assert len(result["figures"]) >= 6 and all((tmp_path / "out" / f).exists() for f in result["figures"])
+    assert "uaq_vs_per_group_lr.png" in result["figures"]
+    assert "naive" not in saved["variants"]  # no runs, no row
+
+
+def test_report_refuses_runs_with_different_settings(tmp_path):
+    for seed, steps in ((1, 20), (2, 30)):
+        folder = tmp_path / "bf16" / f"seed{seed}"
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text(json.dumps(_rows([0.1], [1e-3], [1.0])[0]) + "\n")
+        (folder / "run.json").write_text(json.dumps({"seed": seed, "settings": {"steps": steps, "is_cap": C,
+                                                     "weight_bits": 5}, "cpu": {}}))
+    with pytest.raises(SystemExit, match="other settings"):
+        build_report(tmp_path, ["bf16"], tmp_path / "out")
