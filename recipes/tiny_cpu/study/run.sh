@@ -8,6 +8,7 @@
 # VARIANTS (default: all six) and SEEDS (default "1 2"); JOBS (default 2) runs that many seeds side
 # by side, one thread each; REPORT_ONLY=1 redraws the report from the runs under OUT; REPORT_DIR
 # (default: this folder) receives the figures and tables.
+# Extra arguments go to `python -m qurl_recipes.grpo_study` (e.g. --n-val 32 --prompts-per-step 8).
 # A run that finished with the same settings is kept; change a setting and it reruns.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -37,7 +38,7 @@ if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
   for seed in $seeds; do
     # shellcheck disable=SC2086  # $variants is a list
     "$py" -m qurl_recipes.grpo_study --model "$model" --out "$out/runs" --variants $variants --seeds "$seed" \
-      --threads 1 "${settings[@]}" > "$out/seed$seed.log" 2>&1 &
+      --threads 1 "${settings[@]}" "$@" > "$out/seed$seed.log" 2>&1 &
     pids+=($!)
     i=$((i + 1))
     if (( i % jobs == 0 )); then
