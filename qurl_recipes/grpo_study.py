@@ -225,11 +225,19 @@ class StudyRun:
             picked.append(self.train[self._queue.pop()])
         return picked
 
-    def validate(self, rollout_policy: nn.Module) -> float:
-        """Greedy accuracy on the validation questions, on the variant's own rollout policy."""
-        out = sample(rollout_policy, self.tokenizer, [p for p, _ in self.val], 1, self.settings.max_response_tokens,
+    def greedy_accuracy(self, policy: nn.Module, questions: list[tuple[str, int]]) -> float:
+        out = sample(policy, self.tokenizer, [p for p, _ in questions], 1, self.settings.max_response_tokens,
                      seed=0, greedy=True)
-        return float(exact_rewards(out.texts, [a for _, a in self.val]).mean())
+        return float(exact_rewards(out.texts, [a for _, a in questions]).mean())
+
+    def evaluate(self, rollout_policy: nn.Module) -> dict[str, float]:
+        """Greedy accuracy of the rollout policy (what the variant samples from) on the validation
+        questions, and of the fp32 trainer weights (the model a run keeps, the same evaluator for every
+        variant) on the validation and the training questions."""
+        self.model.eval()
+        return {"val_acc": self.greedy_accuracy(rollout_policy, self.val),
+                "val_acc_full": self.greedy_accuracy(self.model, self.val),
+                "train_acc_full": self.greedy_accuracy(self.model, self.train)}
 
     def step(self, step: int) -> dict:
         s, v = self.settings, self.variant
@@ -242,7 +250,7 @@ class StudyRun:
             record["changed_code_share"], record["changed_code_share_qkv"] = changed_code_shares(self._codes, codes)
         self._codes = codes
         if step % s.val_every == 0:
-            record["val_acc"] = self.validate(policy)
+            record.update(self.evaluate(policy))
 
         t1 = time.perf_counter()
         batch = self._next_prompts()
@@ -261,7 +269,7 @@ class StudyRun:
         advantages = group_normalised_advantages(rewards, s.group_size)[:, None].expand_as(mask)
         old = rollout.behaviour_log_probs if v.loss == "naive" else prox
         loss_log_w = log_w if v.loss in ("tis", "acr") else torch.zeros_like(log_w)
-        clip_upper = clip_lower = upper_bound_max = 0.0
+        clip_upper = clip_lower = upper_bound_max = grad_norm_max = 0.0
         rows = torch.randperm(mask.shape[0], generator=torch.Generator().manual_seed(self.seed * 7919 + step))
         for part in rows.chunk(s.mini_batches):
             log_prob = response_log_probs(self.model, rollout, part)
@@ -272,8 +280,9 @@ class StudyRun:
             loss = (loss_mat * mask[part]).sum() / mask[part].sum().clamp(min=1)  # token-mean
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm))
             self.optimizer.step()
+            grad_norm_max = max(grad_norm_max, grad_norm)
             d = stats.as_dict()
             clip_upper += d["clipfrac_upper"] / s.mini_batches
             clip_lower += d["clipfrac_lower"] / s.mini_batches
@@ -284,6 +293,7 @@ class StudyRun:
             clipfrac_upper=clip_upper,
             clipfrac_lower=clip_lower,
             upper_bound_max=upper_bound_max,
+            grad_norm_max=grad_norm_max,  # before clipping; above max_grad_norm the update was clipped
             sync_s=sync_s,
             rollout_s=rollout_s,
             train_s=time.perf_counter() - t2,
@@ -328,7 +338,8 @@ def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings,
                 print(f"[study] {variant} seed {seed} step {step}: reward {record['reward']:.3f} "
                       f"kl {record['kl_k3']:.2e} w_max {record['w_max']:.2f} {record['step_s']:.1f}s", flush=True)
         final = build_rollout(study.model, study.variant, settings.weight_bits)
-        f.write(json.dumps({"step": settings.steps, "val_acc": study.validate(final)}) + "\n")
+        f.write(json.dumps({"step": settings.steps, **study.evaluate(final)}) + "\n")
+    torch.save(study.model.state_dict(), folder / "final_state_dict.pt")  # fp32 trainer weights (UAQ space for acr_uaq)
     partial.replace(metrics)
     summary.write_text(json.dumps({
         "variant": variant, "seed": seed, "settings": asdict(settings), "model_dir": str(model_dir),

@@ -47,7 +47,7 @@ def _train_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "reward" in r]
 
 
-def seed_statistics(rows: list[dict], is_cap: float) -> dict:
+def seed_statistics(rows: list[dict], is_cap: float, max_grad_norm: float = 1.0) -> dict:
     """One seed's numbers from its per-step records (``metrics.jsonl``)."""
     train = _train_rows(rows)
     n = len(train)
@@ -57,7 +57,12 @@ def seed_statistics(rows: list[dict], is_cap: float) -> dict:
     half = n // 2
     changed = [r["changed_code_share"] for r in train if "changed_code_share" in r]
     changed_qkv = [r["changed_code_share_qkv"] for r in train if "changed_code_share_qkv" in r]
-    val = sorted((r["step"], r["val_acc"]) for r in rows if "val_acc" in r)
+    evals = sorted((r for r in rows if "val_acc" in r), key=lambda r: r["step"])
+
+    def at(key, i):
+        return evals[i].get(key, float("nan")) if evals else float("nan")
+
+    grad_norms = [r["grad_norm_max"] for r in train if "grad_norm_max" in r]
     return {
         "steps": n,
         "reward_first": statistics.fmean(rewards[:w]),
@@ -71,8 +76,14 @@ def seed_statistics(rows: list[dict], is_cap: float) -> dict:
         "clipfrac_upper_mean": statistics.fmean(r["clipfrac_upper"] for r in train),
         "changed_code_share": statistics.fmean(changed) if changed else float("nan"),
         "changed_code_share_qkv": statistics.fmean(changed_qkv) if changed_qkv else float("nan"),
-        "val_acc_first": val[0][1] if val else float("nan"),
-        "val_acc_last": val[-1][1] if val else float("nan"),
+        "val_acc_first": at("val_acc", 0),
+        "val_acc_last": at("val_acc", -1),
+        "val_acc_full_first": at("val_acc_full", 0),
+        "val_acc_full_last": at("val_acc_full", -1),
+        "train_acc_full_first": at("train_acc_full", 0),
+        "train_acc_full_last": at("train_acc_full", -1),
+        "grad_clipped_step_share": (sum(g > max_grad_norm for g in grad_norms) / len(grad_norms)
+                                    if grad_norms else float("nan")),
         "sync_s": statistics.fmean(r["sync_s"] for r in train),
         "step_s": statistics.fmean(r["step_s"] for r in train),
     }
@@ -81,19 +92,33 @@ def seed_statistics(rows: list[dict], is_cap: float) -> dict:
 # quantities summarised as mean +- se across seeds; w_max is the maximum over seeds
 AVERAGED = ("reward_first", "reward_last", "kl_mean", "kl_first_half", "kl_second_half", "w_above_c_step_share",
             "w_frac_above_c_mean", "clipfrac_upper_mean", "changed_code_share", "changed_code_share_qkv",
-            "val_acc_first", "val_acc_last", "sync_s", "step_s")
+            "val_acc_first", "val_acc_last", "val_acc_full_first", "val_acc_full_last", "train_acc_full_first",
+            "train_acc_full_last", "grad_clipped_step_share", "sync_s", "step_s")
+# accuracies on a fixed question set: key -> which set ("val" or "train") they are measured on
+ACCURACIES = {"val_acc_first": "val", "val_acc_last": "val", "val_acc_full_first": "val", "val_acc_full_last": "val",
+              "train_acc_full_first": "train", "train_acc_full_last": "train"}
 
 
-def variant_summary(per_seed: dict[int, dict]) -> dict:
-    """Across-seed summary of one variant from its ``seed_statistics``."""
+def variant_summary(per_seed: dict[int, dict], questions: dict[str, int] | None = None) -> dict:
+    """Across-seed summary of one variant from its ``seed_statistics``.
+
+    ``questions`` ({"val": n, "train": n}) floors the standard error of an accuracy at the binomial
+    one of its question set, sqrt(p (1 - p) / (n x seeds)): two seeds can agree by chance, and a
+    zero standard error would make any difference look real.
+    """
     stats = list(per_seed.values())
     out: dict = {"seeds": sorted(per_seed), "steps": min(s["steps"] for s in stats),
                  "w_max": max(s["w_max"] for s in stats)}
     for key in AVERAGED:
         m, se = mean_se([s[key] for s in stats])
+        if questions and key in ACCURACIES and not math.isnan(m):
+            floor = math.sqrt(m * (1 - m) / (questions[ACCURACIES[key]] * len(stats)))
+            se = floor if math.isnan(se) else max(se, floor)
         out[key], out[f"{key}_se"] = m, se
     m, se = mean_se([s["kl_second_half"] - s["kl_first_half"] for s in stats])
     out["kl_drift"], out["kl_drift_se"] = m, se
+    m, se = mean_se([s["reward_last"] - s["reward_first"] for s in stats])
+    out["reward_gain"], out["reward_gain_se"] = m, se
     return out
 
 
@@ -110,6 +135,12 @@ def _fmt(diff: float, se: float, spec: str = ".3f") -> str:
     return f"{diff:+{spec}} ± {se:{spec}}"
 
 
+# The outcome the claims compare: greedy accuracy of the trained fp32 weights on the training
+# questions at the end, the same evaluator for every variant. The train reward is sampled from each
+# variant's own rollout policy, so it also carries the quantized policy's lower accuracy from step 0.
+FINAL_ACCURACY = "train_acc_full_last"
+
+
 def claim_checks(s: dict[str, dict]) -> list[dict]:
     """The issue's six claims, each with its measure and a verdict computed from the summaries."""
     checks = []
@@ -118,8 +149,10 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
         checks.append({"claim": claim, "measure": measure, "verdict": verdict})
 
     if {"naive", "bf16"} <= s.keys():
-        d, se = difference(s["naive"], s["bf16"], "reward_last")
-        add("naive quantized rollout degrades", f"end reward naive − BF16 {_fmt(d, se)}",
+        d, se = difference(s["naive"], s["bf16"], FINAL_ACCURACY)
+        dg, seg = difference(s["naive"], s["bf16"], "reward_gain")
+        add("naive quantized rollout degrades",
+            f"final accuracy naive − BF16 {_fmt(d, se)}; train-reward gain naive − BF16 {_fmt(dg, seg)}",
             "reproduced" if d < 0 and beyond_noise(d, se) else "not reproduced")
     if "tis" in s:
         t = s["tis"]
@@ -127,7 +160,7 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
             f"KL second − first half {_fmt(t['kl_drift'], t['kl_drift_se'], '.2e')}",
             "reproduced" if t["kl_drift"] > 0 and beyond_noise(t["kl_drift"], t["kl_drift_se"]) else "not reproduced")
     if {"tis", "acr_no_uaq"} <= s.keys():
-        d, se = difference(s["acr_no_uaq"], s["tis"], "reward_last")
+        d, se = difference(s["acr_no_uaq"], s["tis"], FINAL_ACCURACY)
         dk, sek = difference(s["acr_no_uaq"], s["tis"], "kl_drift")
         share = s["tis"]["w_above_c_step_share"]
         if share == 0:
@@ -137,7 +170,7 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
         else:
             verdict = "not reproduced"
         add("ACR stays stable where TIS drifts",
-            f"end reward ACR − TIS {_fmt(d, se)}; KL drift ACR − TIS {_fmt(dk, sek, '.2e')}; "
+            f"final accuracy ACR − TIS {_fmt(d, se)}; KL drift ACR − TIS {_fmt(dk, sek, '.2e')}; "
             f"steps with w > C (TIS) {share:.2f}", verdict)
     if {"acr_uaq", "acr_no_uaq"} <= s.keys():
         d, se = difference(s["acr_uaq"], s["acr_no_uaq"], "changed_code_share")
@@ -145,8 +178,8 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
         add("UAQ makes more weight updates visible", f"changed codes per step ×{ratio:.2f} ({_fmt(d, se, '.4f')})",
             "reproduced" if d > 0 and beyond_noise(d, se) else "not reproduced")
     if {"acr_uaq", "acr_no_uaq", "bf16"} <= s.keys():
-        gap, gap_se = difference(s["acr_no_uaq"], s["bf16"], "reward_last")
-        gap_uaq, gap_uaq_se = difference(s["acr_uaq"], s["bf16"], "reward_last")
+        gap, gap_se = difference(s["acr_no_uaq"], s["bf16"], FINAL_ACCURACY)
+        gap_uaq, gap_uaq_se = difference(s["acr_uaq"], s["bf16"], FINAL_ACCURACY)
         if not (gap < 0 and beyond_noise(gap, gap_se)):
             verdict = "no gap to close (ACR without UAQ already within noise of BF16 or above)"
         elif not beyond_noise(gap_uaq, gap_uaq_se) or gap_uaq > 0:
@@ -154,9 +187,9 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
         else:
             verdict = "not reproduced"
         add("UAQ closes the gap to BF16",
-            f"end reward − BF16: ACR {_fmt(gap, gap_se)}, ACR + UAQ {_fmt(gap_uaq, gap_uaq_se)}", verdict)
+            f"final accuracy − BF16: ACR {_fmt(gap, gap_se)}, ACR + UAQ {_fmt(gap_uaq, gap_uaq_se)}", verdict)
     if {"acr_uaq", "acr_per_group_lr"} <= s.keys():
-        keys = ("reward_last", "changed_code_share", "kl_mean")
+        keys = (FINAL_ACCURACY, "reward_last", "changed_code_share", "kl_mean")
         diffs = {k: difference(s["acr_per_group_lr"], s["acr_uaq"], k) for k in keys}
         agree = not any(beyond_noise(*diffs[k]) for k in keys)
         add("UAQ ≈ per-group learning rate (q/k/v lr × s, norm lr / s)",
@@ -187,7 +220,8 @@ CURVES = {  # file name -> (metric, y label, log scale, smoothed)
     "max_w": ("w_max", "max w = π_prox / π_behav in the step", False, True),
     "share_above_c": ("w_frac_above_c", "share of tokens with w > C", False, True),
     "changed_codes": ("changed_code_share", "share of weight codes changed by the step", False, True),
-    "val_accuracy": ("val_acc", "validation accuracy (greedy, own rollout policy)", False, False),
+    "train_accuracy": ("train_acc_full", "training-question accuracy (greedy, trained fp32 weights)", False, False),
+    "val_accuracy": ("val_acc_full", "validation accuracy (greedy, trained fp32 weights)", False, False),
 }
 
 
@@ -260,10 +294,12 @@ def plot(runs, out_dir: Path, bits: int, is_cap: float) -> list[Path]:
 
 TABLE_COLUMNS = (  # key, header, format
     ("reward_first", "reward first", ".3f"), ("reward_last", "reward last", ".3f"),
-    ("val_acc_first", "val acc start", ".3f"), ("val_acc_last", "val acc end", ".3f"),
+    ("train_acc_full_first", "train acc start", ".3f"), ("train_acc_full_last", "train acc end", ".3f"),
+    ("val_acc_full_first", "val acc start", ".3f"), ("val_acc_full_last", "val acc end", ".3f"),
+    ("val_acc_first", "val acc start (rollout)", ".3f"), ("val_acc_last", "val acc end (rollout)", ".3f"),
     ("kl_mean", "KL mean", ".2e"), ("kl_first_half", "KL 1st half", ".2e"), ("kl_second_half", "KL 2nd half", ".2e"),
     ("w_above_c_step_share", "steps with w > C", ".2f"), ("changed_code_share", "codes changed", ".4f"),
-    ("sync_s", "sync s", ".3f"), ("step_s", "step s", ".2f"),
+    ("grad_clipped_step_share", "steps clipped", ".2f"), ("sync_s", "sync s", ".3f"), ("step_s", "step s", ".2f"),
 )
 
 
@@ -297,7 +333,9 @@ def build_report(runs_dir: Path, variants: list[str], out_dir: Path) -> dict:
             if run["settings"] != settings:
                 raise SystemExit(f"{variant} seed {seed} ran with other settings than the rest; rerun it or remove it")
     is_cap, bits = settings["is_cap"], settings["weight_bits"]
-    summaries = {v: variant_summary({seed: seed_statistics(rows, is_cap) for seed, (rows, _) in seeds.items()})
+    questions = {"val": settings.get("n_val", 0), "train": settings.get("n_train", 0)}
+    summaries = {v: variant_summary({seed: seed_statistics(rows, is_cap, settings.get("max_grad_norm", 1.0))
+                                     for seed, (rows, _) in seeds.items()}, questions if all(questions.values()) else None)
                  for v, seeds in runs.items()}
     checks = claim_checks(summaries)
     out_dir.mkdir(parents=True, exist_ok=True)

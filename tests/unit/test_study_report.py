@@ -26,9 +26,9 @@ def _rows(rewards, kls, w_maxes, changed=0.01, val=(0.1, 0.3)):
         if i:
             row["changed_code_share"] = changed
         if i == 0:
-            row["val_acc"] = val[0]
+            row.update(val_acc=val[0], val_acc_full=val[0] + 0.1, train_acc_full=val[0] + 0.2)
         rows.append(row)
-    rows.append({"step": len(rewards), "val_acc": val[1]})
+    rows.append({"step": len(rewards), "val_acc": val[1], "val_acc_full": val[1] + 0.1, "train_acc_full": val[1] + 0.2})
     return rows
 
 
@@ -43,6 +43,23 @@ def test_seed_statistics_by_hand():
     assert math.isclose(s["kl_first_half"], 1e-3) and math.isclose(s["kl_second_half"], 3e-3)
     assert s["w_max"] == 2.5 and s["w_above_c_step_share"] == 5 / 20
     assert (s["val_acc_first"], s["val_acc_last"]) == (0.1, 0.3)
+    assert math.isclose(s["train_acc_full_first"], 0.3) and math.isclose(s["train_acc_full_last"], 0.5)
+    assert math.isnan(s["grad_clipped_step_share"])  # not logged, not invented
+
+
+def test_grad_clipped_share_counts_steps_above_the_clip():
+    rows = _rows([0.1] * 4, [1e-3] * 4, [1.0] * 4)
+    for r, g in zip(rows, (0.5, 1.5, 2.0, 0.9)):
+        r["grad_norm_max"] = g
+    assert seed_statistics(rows, C, max_grad_norm=1.0)["grad_clipped_step_share"] == 2 / 4
+
+
+def test_accuracy_error_is_floored_at_the_binomial_one():
+    same = {seed: {**seed_statistics(_rows([0.1] * 10, [1e-3] * 10, [1.0] * 10), C)} for seed in (1, 2)}
+    summary = variant_summary(same, {"val": 64, "train": 64})
+    p = 0.5  # train_acc_full_last of both seeds
+    assert math.isclose(summary["train_acc_full_last_se"], math.sqrt(p * (1 - p) / (64 * 2)))
+    assert variant_summary(same)["train_acc_full_last_se"] == 0.0  # seeds agree: zero without the floor
 
 
 def test_mean_se_is_the_across_seed_standard_error():
@@ -52,15 +69,16 @@ def test_mean_se_is_the_across_seed_standard_error():
     assert math.isnan(mean_se([0.3])[1])  # one seed: no seed-to-seed error, never a fake zero
 
 
-def _summary(reward_last, se, kl_drift=0.0, changed=0.01, share=0.5, **extra):
+def _summary(final_acc, se, kl_drift=0.0, changed=0.01, share=0.5, **extra):
     s = {"seeds": [1, 2], "steps": 150, "w_max": 3.0}
-    base = dict(reward_first=0.1, reward_last=reward_last, kl_mean=2e-3, kl_first_half=2e-3,
+    base = dict(reward_first=0.1, reward_last=0.3, reward_gain=0.2, train_acc_full_last=final_acc, kl_mean=2e-3,
+                kl_first_half=2e-3,
                 kl_second_half=2e-3 + kl_drift, kl_drift=kl_drift, w_above_c_step_share=share,
                 w_frac_above_c_mean=1e-3, clipfrac_upper_mean=0.01, changed_code_share=changed,
                 changed_code_share_qkv=changed, val_acc_first=0.1, val_acc_last=0.2, sync_s=0.01, step_s=1.0)
     base.update(extra)
     for k, v in base.items():
-        s[k], s[f"{k}_se"] = v, se if k == "reward_last" else 1e-4 if k == "kl_drift" else 1e-4
+        s[k], s[f"{k}_se"] = v, se if k == "train_acc_full_last" else 1e-4
     return s
 
 
