@@ -163,10 +163,13 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
         d, se = difference(s["acr_no_uaq"], s["tis"], FINAL_ACCURACY)
         dk, sek = difference(s["acr_no_uaq"], s["tis"], "kl_drift")
         share = s["tis"]["w_above_c_step_share"]
+        tis_drifts = s["tis"]["kl_drift"] > 0 and beyond_noise(s["tis"]["kl_drift"], s["tis"]["kl_drift_se"])
         if share == 0:
             verdict = "not testable (no w > C: ACR is TIS)"
         elif (d > 0 and beyond_noise(d, se)) or (dk < 0 and beyond_noise(dk, sek)):
             verdict = "reproduced"
+        elif not tis_drifts:
+            verdict = "not testable (TIS does not drift here; ACR and TIS agree within noise)"
         else:
             verdict = "not reproduced"
         add("ACR stays stable where TIS drifts",

@@ -105,9 +105,16 @@ def test_claims_follow_the_two_standard_error_rule():
     v = _verdicts(s)
     assert v["naive quantized rollout degrades"] == "not reproduced"
     assert v["TIS drifts"] == "not reproduced"
-    assert v["ACR stays stable where TIS drifts"].startswith("not testable")
+    assert v["ACR stays stable where TIS drifts"].startswith("not testable (no w > C")
     assert v["UAQ closes the gap to BF16"].startswith("no gap to close")
     assert v["UAQ ≈ per-group learning rate"] == "differ beyond seed noise"
+
+    s["tis"] = _summary(0.42, 0.01, share=0.5)  # w > C occurs, but TIS does not drift and ACR is no better
+    s["acr_no_uaq"] = _summary(0.43, 0.01)
+    assert _verdicts(s)["ACR stays stable where TIS drifts"].startswith("not testable (TIS does not drift")
+    s["tis"] = _summary(0.42, 0.01, share=0.5, kl_drift=1e-3)  # TIS drifts and ACR drifts as much
+    s["acr_no_uaq"] = _summary(0.43, 0.01, kl_drift=1e-3)
+    assert _verdicts(s)["ACR stays stable where TIS drifts"] == "not reproduced"
 
 
 def test_build_report_writes_results_and_figures(tmp_path):
