@@ -118,7 +118,8 @@ def test_claims_follow_the_two_standard_error_rule():
 
 
 def test_build_report_writes_results_and_figures(tmp_path):
-    settings = {"steps": 20, "weight_bits": 5, "lr": 1e-4, "prompts_per_step": 4, "group_size": 2, "is_cap": C}
+    settings = {"steps": 20, "weight_bits": 5, "lr": 1e-4, "prompts_per_step": 4, "group_size": 2, "mini_batches": 2,
+                "is_cap": C}
     for variant, offset in (("bf16", 0.0), ("acr_uaq", 0.05), ("acr_per_group_lr", 0.04)):
         for seed in (1, 2):
             folder = tmp_path / "runs" / variant / f"seed{seed}"
