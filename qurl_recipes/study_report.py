@@ -194,10 +194,12 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
     if {"acr_uaq", "acr_per_group_lr"} <= s.keys():
         keys = (FINAL_ACCURACY, "reward_last", "changed_code_share", "kl_mean")
         diffs = {k: difference(s["acr_per_group_lr"], s["acr_uaq"], k) for k in keys}
-        agree = not any(beyond_noise(*diffs[k]) for k in keys)
+        differ = [k for k in keys if beyond_noise(*diffs[k])]
+        agree = [k for k in keys if k not in differ]
+        verdict = ("agree within seed noise" if not differ else
+                   f"differ beyond seed noise in {', '.join(differ)}" + (f"; agree in {', '.join(agree)}" if agree else ""))
         add("UAQ ≈ per-group learning rate (q/k/v lr × s, norm lr / s)",
-            "; ".join(f"{k} per-group − UAQ {_fmt(*diffs[k], '.4f')}" for k in keys),
-            "agree within seed noise" if agree else "differ beyond seed noise")
+            "; ".join(f"{k} per-group − UAQ {_fmt(*diffs[k], '.3g')}" for k in keys), verdict)
     return checks
 
 

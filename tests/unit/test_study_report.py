@@ -107,7 +107,9 @@ def test_claims_follow_the_two_standard_error_rule():
     assert v["TIS drifts"] == "not reproduced"
     assert v["ACR stays stable where TIS drifts"].startswith("not testable (no w > C")
     assert v["UAQ closes the gap to BF16"].startswith("no gap to close")
-    assert v["UAQ ≈ per-group learning rate"] == "differ beyond seed noise"
+    # accuracy 0.40 vs 0.49 and codes 0.01 vs 0.015 differ; reward and KL are equal
+    assert v["UAQ ≈ per-group learning rate"] == ("differ beyond seed noise in train_acc_full_last, changed_code_share; "
+                                                  "agree in reward_last, kl_mean")
 
     s["tis"] = _summary(0.42, 0.01, share=0.5)  # w > C occurs, but TIS does not drift and ACR is no better
     s["acr_no_uaq"] = _summary(0.43, 0.01)
