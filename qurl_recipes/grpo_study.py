@@ -35,7 +35,7 @@ from torch import nn
 
 from qurl_recipes.data.chain_arithmetic import draw_problems
 from qurl_recipes.rewards.chain_arithmetic import final_answer
-from qurl_recipes.uaq_vs_lr import group_normalised_advantages, per_group_lr_param_groups
+from qurl_recipes.uaq_vs_lr import clip_grad_norm_as_uaq_, group_normalised_advantages, per_group_lr_param_groups
 from qurl_verl.losses.acr import LOG_RATIO_BOUND, acr_token_loss
 from qurl_verl.quant import apply_uaq, int_format, quantize_linear_modules_
 from qurl_verl.quant.linear import W8A8Linear
@@ -50,6 +50,7 @@ class Variant:
     loss: str  # "vanilla" (ratio to pi_prox), "naive" (ratio to pi_behav, Eq. 3), "tis" (Eq. 5), "acr" (Eq. 9)
     uaq: bool = False
     per_group_lr: bool = False
+    clip_as_uaq: bool = False  # clip by the gradient norm UAQ would see (uaq_vs_lr.clip_grad_norm_as_uaq_)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -59,6 +60,7 @@ VARIANTS: dict[str, Variant] = {
     "acr_no_uaq": Variant("quantized", "acr"),
     "acr_uaq": Variant("quantized", "acr", uaq=True),
     "acr_per_group_lr": Variant("quantized", "acr", per_group_lr=True),
+    "acr_per_group_lr_uaq_clip": Variant("quantized", "acr", per_group_lr=True, clip_as_uaq=True),
 }
 
 
@@ -280,7 +282,10 @@ class StudyRun:
             loss = (loss_mat * mask[part]).sum() / mask[part].sum().clamp(min=1)  # token-mean
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm))
+            if v.clip_as_uaq:
+                grad_norm = clip_grad_norm_as_uaq_(self.model, s.max_grad_norm, s.uaq_scale)
+            else:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.max_grad_norm))
             self.optimizer.step()
             grad_norm_max = max(grad_norm_max, grad_norm)
             d = stats.as_dict()

@@ -22,9 +22,10 @@ VARIANT_LABELS = {
     "acr_no_uaq": "W{b}A8 + ACR",
     "acr_uaq": "W{b}A8 + ACR + UAQ",
     "acr_per_group_lr": "W{b}A8 + ACR + per-group LR",
+    "acr_per_group_lr_uaq_clip": "W{b}A8 + ACR + per-group LR, clipped as UAQ",
 }
 VARIANT_COLORS = {"bf16": "tab:blue", "naive": "tab:orange", "tis": "tab:green", "acr_no_uaq": "tab:red",
-                  "acr_uaq": "tab:purple", "acr_per_group_lr": "tab:brown"}
+                  "acr_uaq": "tab:purple", "acr_per_group_lr": "tab:brown", "acr_per_group_lr_uaq_clip": "tab:olive"}
 SMOOTH = 10  # moving-average window of the per-step curves
 SIGNIFICANCE = 2.0  # differences count beyond this many standard errors
 
@@ -191,15 +192,17 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
             verdict = "not reproduced"
         add("UAQ closes the gap to BF16",
             f"final accuracy − BF16: ACR {_fmt(gap, gap_se)}, ACR + UAQ {_fmt(gap_uaq, gap_uaq_se)}", verdict)
-    if {"acr_uaq", "acr_per_group_lr"} <= s.keys():
-        keys = (FINAL_ACCURACY, "reward_last", "changed_code_share", "kl_mean")
-        diffs = {k: difference(s["acr_per_group_lr"], s["acr_uaq"], k) for k in keys}
-        differ = [k for k in keys if beyond_noise(*diffs[k])]
-        agree = [k for k in keys if k not in differ]
-        verdict = ("agree within seed noise" if not differ else
-                   f"differ beyond seed noise in {', '.join(differ)}" + (f"; agree in {', '.join(agree)}" if agree else ""))
-        add("UAQ ≈ per-group learning rate (q/k/v lr × s, norm lr / s)",
-            "; ".join(f"{k} per-group − UAQ {_fmt(*diffs[k], '.3g')}" for k in keys), verdict)
+    arms = {"acr_per_group_lr": "UAQ ≈ per-group learning rate (q/k/v lr × s, norm lr / s)",
+            "acr_per_group_lr_uaq_clip": "UAQ ≈ per-group learning rate with the gradient clipped as UAQ clips it"}
+    for arm, claim in arms.items():
+        if {"acr_uaq", arm} <= s.keys():
+            keys = (FINAL_ACCURACY, "reward_last", "changed_code_share", "kl_mean")
+            diffs = {k: difference(s[arm], s["acr_uaq"], k) for k in keys}
+            differ = [k for k in keys if beyond_noise(*diffs[k])]
+            agree = [k for k in keys if k not in differ]
+            verdict = ("agree within seed noise" if not differ else f"differ beyond seed noise in {', '.join(differ)}"
+                       + (f"; agree in {', '.join(agree)}" if agree else ""))
+            add(claim, "; ".join(f"{k} per-group − UAQ {_fmt(*diffs[k], '.3g')}" for k in keys), verdict)
     return checks
 
 
@@ -277,8 +280,8 @@ def plot(runs, out_dir: Path, bits: int, is_cap: float) -> list[Path]:
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
-    arms = [v for v in ("acr_uaq", "acr_per_group_lr") if v in runs]
-    if len(arms) == 2:
+    arms = [v for v in ("acr_uaq", "acr_per_group_lr", "acr_per_group_lr_uaq_clip") if v in runs]
+    if "acr_uaq" in arms and len(arms) >= 2:
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), dpi=110)
         for ax, (key, ylabel) in zip(axes, (("reward", "train reward"), ("changed_code_share_qkv", "q/k/v codes changed"),
                                             ("kl_k3", "KL(behav ‖ prox)"))):

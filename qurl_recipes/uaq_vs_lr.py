@@ -80,6 +80,34 @@ def per_group_lr_param_groups(
     return out
 
 
+def clip_grad_norm_as_uaq_(model: nn.Module, max_norm: float, scale: float,
+                           targets: Iterable[str] = DEFAULT_UAQ_TARGETS) -> float:
+    """Global-norm gradient clipping of the unmodified model, with the factor UAQ's clipping would apply.
+
+    Under UAQ the targets' gradients are s times, and their norm's 1/s times, those of the unmodified
+    model at the equivalent point, so ``clip_grad_norm_`` there sees a different total norm and clips
+    on other steps. This computes that norm, sqrt(sum of |s g_target|^2 + |g_norm / s|^2 + |g_other|^2),
+    and scales every gradient here by the same factor min(1, max_norm / norm); with the per-group
+    learning rates, Adam then sees gradients that differ from UAQ's by a constant per-tensor factor,
+    which its step ignores (up to eps). Returns that norm, before clipping.
+    """
+    linears, norms = _uaq_parameter_names(model, targets)
+    total = 0.0
+    grads = []
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        factor = scale if name in linears else 1 / scale if name in norms else 1.0
+        total += float(param.grad.detach().double().square().sum()) * factor ** 2
+        grads.append(param.grad)
+    norm = total ** 0.5
+    clip = max_norm / (norm + 1e-6)  # the epsilon torch.nn.utils.clip_grad_norm_ adds
+    if clip < 1:
+        for g in grads:
+            g.detach().mul_(clip)
+    return norm
+
+
 def undo_uaq(model: nn.Module, scale: float, targets: Iterable[str] = DEFAULT_UAQ_TARGETS) -> nn.Module:
     """A copy of a UAQ-scaled model mapped back to the original parametrisation (norm / s, targets x s)."""
     out = copy.deepcopy(model)
@@ -139,12 +167,14 @@ class GrpoStepResult:
 def grpo_acr_step(model: nn.Module, optimizer: torch.optim.Optimizer, prompts: torch.Tensor, reward_fn: RewardFn,
                   generator: torch.Generator, *, bits: int = 8, group_size: int = 4, response_len: int = 8,
                   loss_scale: float = 1.0, max_grad_norm: float | None = None, is_cap: float = 2.0,
-                  clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.28, clip_ratio_c: float = 3.0) -> GrpoStepResult:
+                  clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.28, clip_ratio_c: float = 3.0,
+                  clip_as_uaq: float | None = None) -> GrpoStepResult:
     """One GRPO step with QuRL's decoupled roles: sample with the quantized copy, ACR loss on the fp32 model.
 
     The proximal policy is the fp32 model before the step (one update per rollout, so R = 1 at
     the step) and log w = log pi_prox - log pi_behav. Token-mean aggregation. ``loss_scale``
-    multiplies the loss (tiny values make Adam's eps matter).
+    multiplies the loss (tiny values make Adam's eps matter). ``clip_as_uaq=s`` clips with
+    ``clip_grad_norm_as_uaq_`` instead of the plain global norm.
     """
     rollout = quantized_rollout_copy(model, bits)
     seqs, behav_logp = sample_responses(rollout, prompts, group_size, response_len, generator)
@@ -159,7 +189,9 @@ def grpo_acr_step(model: nn.Module, optimizer: torch.optim.Optimizer, prompts: t
     loss = loss_mat.mean() * loss_scale
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if max_grad_norm is not None:
+    if max_grad_norm is not None and clip_as_uaq is not None:
+        clip_grad_norm_as_uaq_(model, max_grad_norm, clip_as_uaq)
+    elif max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     return GrpoStepResult(float(rewards.float().mean()), seqs, rollout)
@@ -202,7 +234,7 @@ def compare_uaq_with_per_group_lr(model: nn.Module, prompts: torch.Tensor, rewar
                                   betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None,
                                   bits: int = 8, group_size: int = 4, response_len: int = 8, loss_scale: float = 1.0,
                                   seed: int = 0, probe: torch.Tensor | None = None,
-                                  match_decay: bool = True) -> list[ArmComparison]:
+                                  match_decay: bool = True, clip_as_uaq: bool = False) -> list[ArmComparison]:
     """Run ``steps`` GRPO+ACR steps in two arms from copies of ``model`` and compare them after each step.
 
     (A) UAQ: ``apply_uaq(copy, scale)``, AdamW(lr). (B) per-group LR: unmodified copy, AdamW with
@@ -210,8 +242,9 @@ def compare_uaq_with_per_group_lr(model: nn.Module, prompts: torch.Tensor, rewar
     step; their quantized forwards agree (exactly for a power-of-two scale), so the tokens match
     while the arms stay equivalent. ``probe`` (default: ``prompts``) is the input for the logit
     comparison. ``match_decay`` gives each group of arm B the weight decay that matches UAQ's
-    (see ``per_group_lr_param_groups``); without it, B decays q/k/v s times faster. ``model``
-    itself is not modified.
+    (see ``per_group_lr_param_groups``); without it, B decays q/k/v s times faster.
+    ``clip_as_uaq`` makes B clip its gradients by the factor UAQ's clipping applies
+    (``clip_grad_norm_as_uaq_``). ``model`` itself is not modified.
     """
     model_uaq = apply_uaq(copy.deepcopy(model), scale)
     model_lr = copy.deepcopy(model)
@@ -226,7 +259,7 @@ def compare_uaq_with_per_group_lr(model: nn.Module, prompts: torch.Tensor, rewar
         res_uaq = grpo_acr_step(model_uaq, opt_uaq, prompts, reward_fn, torch.Generator().manual_seed(seed + step),
                                 **step_kwargs)
         res_lr = grpo_acr_step(model_lr, opt_lr, prompts, reward_fn, torch.Generator().manual_seed(seed + step),
-                               **step_kwargs)
+                               clip_as_uaq=scale if clip_as_uaq else None, **step_kwargs)
         mapped = undo_uaq(model_uaq, scale)
         with torch.no_grad():
             logit_diff = (mapped(input_ids=probe).logits - model_lr(input_ids=probe).logits).abs().max()

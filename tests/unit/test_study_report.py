@@ -97,6 +97,10 @@ def test_claims_follow_the_two_standard_error_rule():
     assert v["UAQ makes more weight updates visible"] == "reproduced"
     assert v["UAQ closes the gap to BF16"] == "reproduced"  # ACR -0.05 beyond noise, ACR+UAQ -0.01 within
     assert v["UAQ ≈ per-group learning rate"] == "agree within seed noise"
+    assert "UAQ ≈ per-group learning rate with the gradient clipped as UAQ clips it" not in v  # no runs, no claim
+    s["acr_per_group_lr_uaq_clip"] = _summary(0.49, 0.01, changed=0.015)
+    assert _verdicts(s)["UAQ ≈ per-group learning rate with the gradient clipped as UAQ clips it"] == \
+        "agree within seed noise"
 
     s["naive"] = _summary(0.48, 0.01)  # -0.02 is within 2 x 0.0141
     s["tis"] = _summary(0.42, 0.01, share=0.0)

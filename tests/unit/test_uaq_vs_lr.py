@@ -91,3 +91,28 @@ def test_param_groups_carry_the_matched_decay(tiny_causal_lm):
     for g in groups.values():  # lr x decay is the same in every group (float64 reference)
         assert abs(g["lr"] * g["weight_decay"] - LR * 0.01) <= 1e-18
     assert groups[SCALED_LINEAR_GROUP]["weight_decay"] < 0.01 < groups[SCALED_NORM_GROUP]["weight_decay"]
+
+
+def test_clipping_as_uaq_keeps_the_arms_equal_where_plain_clipping_does_not(tiny_causal_lm):
+    """Global-norm clipping sees UAQ's s-scaled gradients; clipping the per-group arm by the norm UAQ
+    would see restores the equivalence (same tolerance as without clipping: s = 2 is exact)."""
+    model = tiny_causal_lm("qwen2")
+    kwargs = dict(scale=SCALE, lr=LR, steps=STEPS, eps=1e-30, weight_decay=0.0, max_grad_norm=1e-3)
+    as_uaq = compare_uaq_with_per_group_lr(model, _prompts(), _reward, clip_as_uaq=True, **kwargs)
+    assert all(r.max_abs_logit_diff <= LOGIT_TOL for r in as_uaq), as_uaq
+    plain = compare_uaq_with_per_group_lr(model, _prompts(), _reward, clip_as_uaq=False, **kwargs)
+    assert max(r.max_abs_logit_diff for r in plain) > 100 * LOGIT_TOL
+
+
+def test_uaq_norm_is_the_norm_of_the_scaled_gradients(tiny_causal_lm):
+    """The norm clip_grad_norm_as_uaq_ returns equals a float64 norm of the gradients scaled as UAQ scales them."""
+    from qurl_recipes.uaq_vs_lr import clip_grad_norm_as_uaq_
+
+    model = tiny_causal_lm("qwen2")
+    model(input_ids=_prompts()).logits.square().mean().backward()
+    expected = 0.0
+    for name, p in model.named_parameters():
+        f = SCALE if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) else \
+            1 / SCALE if name.endswith("input_layernorm.weight") else 1.0
+        expected += float((p.grad.double() * f).square().sum())
+    assert abs(clip_grad_norm_as_uaq_(model, 1e9, SCALE) - expected ** 0.5) <= 1e-9 * expected ** 0.5

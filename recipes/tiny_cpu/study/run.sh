@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GRPO study of QuRL's mechanisms at W{b}A8 mismatch (`make study`): SFT warm start of the tiny
-# model on chain arithmetic, then six variants x two seeds in the pure-torch harness
+# model on chain arithmetic, then seven variants x two seeds in the pure-torch harness
 # (qurl_recipes.grpo_study), then tables, claim checks and figures in this folder.
 #
 # Environment: OUT (default outputs/tiny_cpu_study) holds the model and runs; STEPS (default 200)
 # GRPO steps per run; WEIGHT_BITS (default 5); LR (default 1e-5); SFT_STEPS (default 900);
-# VARIANTS (default: all six) and SEEDS (default "1 2"); JOBS (default 2) runs that many seeds side
+# VARIANTS (default: all seven) and SEEDS (default "1 2"); JOBS (default 2) runs that many seeds side
 # by side, one thread each; REPORT_ONLY=1 redraws the report from the runs under OUT; REPORT_DIR
 # (default: this folder) receives the figures and tables.
 # Extra arguments go to `python -m qurl_recipes.grpo_study` (e.g. --n-val 32 --prompts-per-step 8).
@@ -16,7 +16,7 @@ root="$(cd "$here/../../.." && pwd)"
 cd "$root"
 py="${PYTHON:-$root/.venv/bin/python}"
 out="${OUT:-$root/outputs/tiny_cpu_study}"
-variants="${VARIANTS:-bf16 naive tis acr_no_uaq acr_uaq acr_per_group_lr}"
+variants="${VARIANTS:-bf16 naive tis acr_no_uaq acr_uaq acr_per_group_lr acr_per_group_lr_uaq_clip}"
 seeds="${SEEDS:-1 2}"
 jobs="${JOBS:-2}"
 sft_steps="${SFT_STEPS:-900}"
