@@ -179,7 +179,9 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
     if {"acr_uaq", "acr_no_uaq"} <= s.keys():
         d, se = difference(s["acr_uaq"], s["acr_no_uaq"], "changed_code_share")
         ratio = s["acr_uaq"]["changed_code_share"] / s["acr_no_uaq"]["changed_code_share"]
-        add("UAQ makes more weight updates visible", f"changed codes per step ×{ratio:.2f} ({_fmt(d, se, '.4f')})",
+        ratio_qkv = s["acr_uaq"]["changed_code_share_qkv"] / s["acr_no_uaq"]["changed_code_share_qkv"]
+        add("UAQ makes more weight updates visible",
+            f"changed codes per step ×{ratio:.2f} ({_fmt(d, se, '.2e')}), q/k/v alone ×{ratio_qkv:.2f}",
             "reproduced" if d > 0 and beyond_noise(d, se) else "not reproduced")
     if {"acr_uaq", "acr_no_uaq", "bf16"} <= s.keys():
         gap, gap_se = difference(s["acr_no_uaq"], s["bf16"], FINAL_ACCURACY)
