@@ -22,6 +22,7 @@ not rerun. Never imports verl or vLLM.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -40,6 +41,7 @@ from qurl_verl.losses.acr import LOG_RATIO_BOUND, acr_token_loss
 from qurl_verl.quant import apply_uaq, int_format, quantize_linear_modules_
 from qurl_verl.quant.linear import W8A8Linear
 from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
+from qurl_verl.quant.update_visibility import changed_code_count
 
 
 @dataclass(frozen=True)
@@ -96,15 +98,13 @@ class StudySettings:
 
 def build_rollout(model: nn.Module, variant: Variant, weight_bits: int) -> nn.Module:
     """The policy the engine would hold after this step's weight sync (a copy; ``model`` untouched)."""
-    copy = _clone(model)
+    policy = _clone(model)
     if variant.rollout == "bf16":
-        return copy.to(torch.bfloat16)
-    return quantize_linear_modules_(copy, fmt=int_format(weight_bits), fake=True)
+        return policy.to(torch.bfloat16)
+    return quantize_linear_modules_(policy, fmt=int_format(weight_bits), fake=True)
 
 
 def _clone(model: nn.Module) -> nn.Module:
-    import copy
-
     return copy.deepcopy(model).eval()
 
 
@@ -117,7 +117,7 @@ def changed_code_shares(before: dict[str, torch.Tensor], after: dict[str, torch.
     """(share of all quantized weight codes that changed, the same over UAQ's q/k/v targets)."""
     changed = total = changed_t = total_t = 0
     for name, codes in after.items():
-        n = int((codes != before[name]).sum())
+        n = changed_code_count(before[name], codes)
         changed, total = changed + n, total + codes.numel()
         if name.rsplit(".", 1)[-1] in targets:
             changed_t, total_t = changed_t + n, total_t + codes.numel()
@@ -307,19 +307,27 @@ class StudyRun:
         return record
 
 
+def cpu_isa(flags: set[str]) -> str:
+    """The x86 class that decides torch's and oneDNN's CPU kernels, named as the benchmarks name it."""
+    if "amx_int8" in flags:
+        return "amx"
+    if "avx512_vnni" in flags:
+        return "avx512_vnni"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2_vnni" if "avx_vnni" in flags else "avx2"
+
+
 def cpu_description() -> dict:
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    isa = "amx" if "amx_tile" in flags else "avx512_vnni" if "avx512_vnni" in flags else "avx2" if "avx2" in flags else "other"
-    return {"model": model, "isa": isa, "torch_threads": torch.get_num_threads()}
+    """This machine's CPU model and class, recorded with every run (step times depend on them)."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+
+    def first(key: str) -> str | None:
+        return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), None)
+
+    return {"model": first("model name") or platform.processor(), "isa": cpu_isa(set((first("flags") or "").split())),
+            "torch_threads": torch.get_num_threads()}
 
 
 def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings, out_dir: str | Path) -> Path:

@@ -108,3 +108,24 @@ def test_run_logs_every_step_and_keeps_a_finished_run(tiny, tmp_path):
     stamp = (out / "metrics.jsonl").stat().st_mtime_ns
     run(folder, "acr_per_group_lr", 1, settings, tmp_path)
     assert (out / "metrics.jsonl").stat().st_mtime_ns == stamp  # same settings: not rerun
+
+
+@pytest.mark.parametrize("flags, isa", [
+    ({"avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_int8"}, "amx"),
+    ({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}, "avx512_vnni"),
+    ({"avx2", "avx512f"}, "avx512"),
+    ({"avx2", "avx_vnni"}, "avx2_vnni"),
+    ({"avx2", "fma"}, "avx2"),
+])
+def test_every_cpu_class_is_named_from_its_flags(flags, isa):
+    """Each branch forced, whatever this machine is; the names match the benchmarks' result files."""
+    from qurl_recipes.grpo_study import cpu_isa
+
+    assert cpu_isa(flags) == isa
+
+
+def test_cpu_description_reads_this_machine():
+    from qurl_recipes.grpo_study import cpu_description
+
+    d = cpu_description()
+    assert d["isa"] in {"amx", "avx512_vnni", "avx512", "avx2_vnni", "avx2"} and d["torch_threads"] >= 1
