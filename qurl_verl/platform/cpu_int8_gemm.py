@@ -1,0 +1,92 @@
+"""Exact W8A8 INT8 GEMM for x86 CPUs with AVX2 and no VNNI, on a weight packed once per sync.
+
+On such CPUs oneDNN's int8 GEMM packs the weight on every call (and saturates on 8-bit codes,
+see ``patches/vllm_cpu_worker/vllm_cpu_int8_saturation.py``), which makes INT8 rollout slower
+than BF16 at decode batch sizes. ``cpu_int8_gemm_avx2.cpp`` computes the same integer dot
+products with ``vpmaddubsw`` on |a| and sign(a)*w, which cannot saturate for weight codes in
+[-127, 127]; see the file's header. It is built on first use with torch's C++ extension loader
+(needs a C++ compiler; cached per user under ``TORCH_EXTENSIONS_DIR``), and the callers fall back
+to oneDNN when it cannot be built.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger("qurl_verl")
+
+SOURCE = Path(__file__).with_name("cpu_int8_gemm_avx2.cpp")
+BLOCK_ROWS = 4  # weight rows per packed block (kRows in the source)
+CHUNK = 32  # int8 lanes of an AVX2 register (kChunk in the source)
+WEIGHT_CODE_MAX = 127  # |w| <= 127 keeps every vpmaddubsw pair below 2**15 with |a| <= 128
+_EXTENSION_NAME = "qurl_cpu_int8_gemm_avx2"
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as the kernel reports them in ``/proc/cpuinfo`` (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_supports_kernel(flags: set[str]) -> bool:
+    """The kernel uses AVX2 integer instructions only (vpsignb, vpmaddubsw, vpmaddwd)."""
+    return "avx2" in flags
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> bool:
+    """Build (once per machine and torch version) and load the kernel; False, logged, if it cannot be."""
+    if not cpu_supports_kernel(cpu_flags()):
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        try:  # the `ninja` wheel ships its binary outside PATH when the venv is not activated
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        cpp_extension.load(
+            name=_EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, read-only cache: the caller keeps oneDNN
+        logger.warning("qurl-verl: cannot build the AVX2 INT8 GEMM (%s: %s); INT8 linears stay on oneDNN",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return False
+    return True
+
+
+def pack_weight(codes: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] codes -> the kernel's layout [ceil(N/4), ceil(K/32), 4, 32], zero padded."""
+    if codes.dtype != torch.int8 or codes.dim() != 2:
+        raise ValueError(f"expected int8 [N, K] weight codes, got {codes.dtype} {tuple(codes.shape)}")
+    if int(codes.amin()) < -WEIGHT_CODE_MAX:
+        raise ValueError("weight code -128 found; the AVX2 kernel needs codes in [-127, 127]")
+    n, k = codes.shape
+    n_pad, k_pad = -n % BLOCK_ROWS, -k % CHUNK
+    w = F.pad(codes, (0, k_pad, 0, n_pad))
+    return w.reshape((n + n_pad) // BLOCK_ROWS, BLOCK_ROWS, (k + k_pad) // CHUNK, CHUNK).transpose(1, 2).contiguous()
+
+
+def int8_gemm(a_codes: torch.Tensor, a_scale: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None, n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """(a_codes @ w_codes.T) * a_scale * w_scale.T (+ bias), integer products exact; [M, N] of out_dtype."""
+    return torch.ops.qurl_cpu.int8_gemm_avx2(
+        a_codes.contiguous(), a_scale.reshape(-1).float().contiguous(), packed,
+        w_scale.reshape(-1).float().contiguous(), bias, n, out_dtype)
