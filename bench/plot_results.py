@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COLORS = {"bf16": "tab:blue", "int8": "tab:orange", "fp8": "tab:green"}
+COLORS = {"bf16": "tab:blue", "int8": "tab:orange", "fp8": "tab:green", "int8_onednn": "tab:purple", "int7": "tab:brown"}
 
 
 def series(report: dict) -> dict[str, dict[int, dict[int, tuple[float, float, float]]]]:

@@ -13,6 +13,8 @@ BF16 weights do not fit a cache), not from a cache kept warm by repeating one ca
     add of the halves, the bias and the cast (``patches/vllm_cpu_worker/vllm_cpu_int8_saturation.py``);
 (d) ``int8_7bit_gemm``: one unsplit GEMM over weight codes within +-63 (timed like (b));
 (e) ``bf16_linear``: what ``dispatch_cpu_unquantized_gemm`` installs for a BF16 layer;
+(f) ``avx2_packed_gemm``: the project's packed AVX2 GEMM on the 8-bit codes (bf16 output, bias), what
+    the saturation patch runs on CPUs without VNNI (``qurl_verl/platform/cpu_int8_gemm_avx2.cpp``);
 plus ``w8a16_int8pack`` (``torch._weight_int8pack_mm``: bf16 activations times int8 weights, no
 activation quantization, other numerics than W8A8) as a reference point for weight-only INT8.
 
@@ -53,8 +55,11 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_models import SPECS  # noqa: E402
 
+from qurl_verl.platform import cpu_int8_gemm  # noqa: E402
+
 MS = (1, 8, 32)
-OPS = ("quant", "int8_gemm", "split_gemm", "split_add", "int8_7bit_gemm", "bf16_linear", "w8a16_int8pack")
+OPS = ("quant", "int8_gemm", "split_gemm", "split_add", "int8_7bit_gemm", "bf16_linear", "w8a16_int8pack",
+       "avx2_packed_gemm")
 AVX2_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
 AVX2_FULL_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 # in-process engine (the profiler sees it) on one thread, as the rollout bench's engine computes on one core
@@ -175,6 +180,12 @@ class Int8Linear:
         self.h7 = ops.create_onednn_scaled_mm(self.codes7.t(), self.scale, torch.bfloat16, True, False, 32)
         self.hsplit = ops.create_onednn_scaled_mm(split_codes(self.codes).t(), self.split_scale, torch.float32,
                                                   True, False, 32)
+        self.packed = cpu_int8_gemm.pack_weight(self.codes) if cpu_int8_gemm.load() else None
+        self.packed_scale = self.scale.reshape(-1).contiguous()
+
+    def packed_gemm(self, x_q, x_s):
+        """As ``vllm_cpu_int8_saturation._apply_packed`` runs it after quantization."""
+        return cpu_int8_gemm.int8_gemm(x_q, x_s, self.packed, self.packed_scale, self.bias, self.n, torch.bfloat16)
 
     def gemm(self, handler, x_q, x_s):
         out = torch.empty((x_q.size(0), self.n), dtype=torch.bfloat16)
@@ -265,6 +276,14 @@ def exactness(ops, gen: torch.Generator) -> list[dict]:
                     split = split_codes(w)
                     if (x_q.long() @ split.long().t()).abs().max() < 2 ** 24:
                         variants.append(("split", split, 2 * n))
+                if cpu_int8_gemm.load():
+                    got = cpu_int8_gemm.int8_gemm(x_q, ones_m, cpu_int8_gemm.pack_weight(w), torch.ones(n), None, n,
+                                                  torch.float32)
+                    err = (got.double() - ref64.double()).abs()
+                    rows.append({"n": n, "k": k, "m": m, "activations": act, "weight_codes": codes_name,
+                                 "gemm": "avx2_packed", "exact": bool((got == ref).all()),
+                                 "mismatched_outputs": int((got != ref).sum()), "outputs": got.numel(),
+                                 "max_abs_err_rel_to_max_abs_ref": float(err.max() / ref64.abs().max())})
                 for variant, wv, nv in variants:
                     w_scale = torch.ones(nv, 1)  # the handler keeps a raw pointer to it: keep it alive
                     h = ops.create_onednn_scaled_mm(wv.t(), w_scale, torch.float32, True, False, 32)
@@ -318,6 +337,8 @@ def worker(args) -> None:
                 "w8a16_int8pack": rotating(copies, lambda i: torch._weight_int8pack_mm(
                     x, lins[i].codes, int8pack_scales[i])),
             }
+            if lins[0].packed is not None:
+                fns["avx2_packed_gemm"] = rotating(copies, lambda i: lins[i].packed_gemm(x_q, x_s))
             per_m[str(m)] = {"loadavg": os.getloadavg(), "ops": time_interleaved(fns, args.rounds, args.target_s)}
             print(f"  {shape['name']:<13} M={m:<3}", {k: round(v["median_us"], 1)
                                                     for k, v in per_m[str(m)]["ops"].items()}, flush=True)
@@ -458,12 +479,17 @@ def layer_sums(run: dict) -> dict:
     """Per M: per-op times summed over the decoder layer's linears, and the INT8 variants vs BF16."""
     out = {}
     for m in map(str, MS):
-        t = {op: sum(s["m"][m]["ops"][op]["median_us"] for s in run["shapes"].values()) for op in OPS}
+        t = {op: sum(s["m"][m]["ops"][op]["median_us"] for s in run["shapes"].values()) for op in OPS
+             if all(op in s["m"][m]["ops"] for s in run["shapes"].values())}
         row = dict(t)
         row["int8"] = t["quant"] + t["int8_gemm"]
         row["int8_split"] = t["quant"] + t["split_gemm"]
         row["int8_7bit"] = t["quant"] + t["int8_7bit_gemm"]
-        for v in ("int8", "int8_split", "int8_7bit"):
+        variants = ["int8", "int8_split", "int8_7bit"]
+        if "avx2_packed_gemm" in t:
+            row["int8_avx2_packed"] = t["quant"] + t["avx2_packed_gemm"]
+            variants.append("int8_avx2_packed")
+        for v in variants:
             row[f"bf16_over_{v}"] = t["bf16_linear"] / row[v]
         row["bf16_over_w8a16_int8pack"] = t["bf16_linear"] / t["w8a16_int8pack"]
         out[m] = row
@@ -473,16 +499,18 @@ def layer_sums(run: dict) -> dict:
 def markdown(reports: list[dict]) -> str:
     """One row per class, thread count and M: summed over one decoder layer's four linears (us)."""
     lines = ["| class | thr | M | quant (a) | INT8 GEMM (b) | split GEMM (c) | 7-bit GEMM (d) | BF16 (e) | "
-             "BF16/(a+b) | BF16/(a+c) | BF16/(a+d) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "packed AVX2 (f) | BF16/(a+b) | BF16/(a+c) | BF16/(a+d) | BF16/(a+f) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for rep in reports:
         for run in rep["runs"]:
             for m, r in run["layer_sum_us"].items():
                 lines.append(f"| {rep['cpu_class']} | {run['threads']} | {m} | {r['quant']:.0f} | "
                              f"{r['int8_gemm']:.0f} | "
                              f"{r['split_gemm']:.0f} | {r['int8_7bit_gemm']:.0f} | {r['bf16_linear']:.0f} | "
+                             + (f"{r['avx2_packed_gemm']:.0f}" if "avx2_packed_gemm" in r else "-") + " | "
                              f"{r['bf16_over_int8']:.2f}x | {r['bf16_over_int8_split']:.2f}x | "
-                             f"{r['bf16_over_int8_7bit']:.2f}x |")
+                             f"{r['bf16_over_int8_7bit']:.2f}x | "
+                             + (f"{r['bf16_over_int8_avx2_packed']:.2f}x" if "avx2_packed_gemm" in r else "-") + " |")
     engines = [(rep["cpu_class"], fmt, e) for rep in reports for fmt, e in rep.get("engine", {}).items()]
     if engines:
         lines += ["", "| class | engine | threads | ms/token (wall, median of 3) | linear ops (self CPU) | top op |",

@@ -25,6 +25,15 @@ def verdict(ok: bool | None) -> str:
     return "not measured" if ok is None else ("met" if ok else "**not met**")
 
 
+def int8_gemm_text(rt: dict) -> str:
+    """Which GEMM each INT8 format ran; results from before the packed AVX2 GEMM only had oneDNN's."""
+    paths = rt.get("int8_gemm")
+    if paths is None:
+        return "oneDNN split, measured before the packed AVX2 GEMM existed" if rt["machine"].get(
+            "onednn_int8_saturates") else "oneDNN"
+    return ", ".join(f"{f} {p}" for f, p in paths.items())
+
+
 def throughput_row(cpu_class: str, rt: dict) -> str:
     """Every integer format against BF16 at batch 1 / 8 / 32, for one CPU class; the target holds for a
     format that reaches 1.4x at every batch measured."""
@@ -40,7 +49,8 @@ def throughput_row(cpu_class: str, rt: dict) -> str:
     m = rt["machine"]
     load_avg = ", ".join(f"{b['load_before'][0]:.1f}" for b in rt["blocks"])
     measured = (f"{'; '.join(parts) or '-'} ({n} tokens, {rt['model']['params'] / 1e6:.0f}M model, {m['cpu_model']}, "
-                f"oneDNN int8 saturates: {m.get('onednn_int8_saturates')}; 1-min load at block starts: {load_avg})")
+                f"oneDNN int8 saturates: {m.get('onednn_int8_saturates')}; INT8 GEMM: {int8_gemm_text(rt)}; "
+                f"1-min load at block starts: {load_avg})")
     verdict_text = f"met by {', '.join(met)}" if met else ("**not met**" if parts else "not measured")
     return f"| INT8/BF16 rollout throughput >= 1.4x at batch 1, 8, 32 ({cpu_class}) | {measured} | {verdict_text} |"
 

@@ -210,6 +210,19 @@ def check_plugin_loaded(component: str, what: str) -> None:
         raise QurlConfigError(f"{what} needs qurl-verl's {component} registration, which failed to load: {status}")
 
 
+def prepare_cpu_int8_gemm(rollout: RolloutSettings) -> None:
+    """INT8 rollout on a CPU without VNNI: validate the GEMM choice and build the packed AVX2 GEMM once
+    here, so that the rollout workers load it from the cache instead of each compiling it."""
+    from qurl_verl.platform import cpu_int8_gemm
+
+    try:
+        choice = cpu_int8_gemm.gemm_choice()
+    except ValueError as exc:
+        raise QurlConfigError(str(exc)) from None
+    if rollout.format == "int8" and choice == "auto" and cpu_int8_gemm.cpu_int8_saturates(cpu_int8_gemm.cpu_flags()):
+        cpu_int8_gemm.load()  # logs and returns False if it cannot be built; the workers then use oneDNN
+
+
 def check_config(cfg: Any) -> QurlSettings:
     """Every check of a config that uses qurl-verl; returns its settings or raises QurlConfigError."""
     check_preset_resolved(cfg)
@@ -238,6 +251,7 @@ def check_config(cfg: Any) -> QurlSettings:
             warning = check_cpu_rollout_format(settings.rollout, amx=bool(torch.cpu._is_amx_tile_supported()))
             if warning:
                 logger.warning(warning)
+            prepare_cpu_int8_gemm(settings.rollout)
     elif settings.uaq.enable:
         raise QurlConfigError(
             f"{UAQ_KEY}.enable=true without {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: UAQ exists for the quantized rollout; "

@@ -146,3 +146,34 @@ def test_broken_plugin_part_is_a_warning_and_a_clear_error_later():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "qurl-verl: losses failed: ModuleNotFoundError" in p.stderr, p.stderr[-2000:]
     assert "RAISED loss_mode=qurl_acr needs qurl-verl's losses registration, which failed to load" in p.stdout, p.stdout
+
+
+def test_bad_cpu_int8_gemm_choice_fails_at_config_time(tiny_model, monkeypatch):
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    monkeypatch.setenv("QURL_VERL_CPU_INT8_GEMM", "fastest")
+    cfg = compose_ppo_config(["+qurl=int8", *CPU_OK[1:], f"actor_rollout_ref.model.path={tiny_model}"])
+    with pytest.raises(QurlConfigError, match="QURL_VERL_CPU_INT8_GEMM='fastest': expected 'auto'"):
+        qc.check_config(cfg)
+    monkeypatch.setenv("QURL_VERL_CPU_INT8_GEMM", "onednn")
+    assert qc.check_config(cfg).rollout.format == "int8"
+
+
+@pytest.mark.parametrize("fmt,flags,choice,builds", [
+    ("int8", {"avx2"}, "auto", True),  # no VNNI: oneDNN saturates, the workers will want the kernel
+    ("int8", {"avx2", "avx512f"}, "", True),  # AVX-512 without VNNI (Skylake) saturates too
+    ("int8", {"avx2", "avx_vnni"}, "auto", False),
+    ("int8", {"avx512_vnni", "avx2"}, "auto", False),
+    ("int8", {"amx_int8", "avx512_vnni"}, "auto", False),
+    ("int8", {"avx2"}, "onednn", False),
+    ("fp8", {"avx2"}, "auto", False),
+])
+def test_driver_builds_the_avx2_int8_gemm_only_where_the_workers_use_it(monkeypatch, fmt, flags, choice, builds):
+    from qurl_verl.platform import cpu_int8_gemm
+    from qurl_verl.settings import RolloutSettings
+
+    built = []
+    monkeypatch.setenv("QURL_VERL_CPU_INT8_GEMM", choice)
+    monkeypatch.setattr(cpu_int8_gemm, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(cpu_int8_gemm, "load", lambda: built.append(True) or True)
+    qc.prepare_cpu_int8_gemm(RolloutSettings(format=fmt))
+    assert bool(built) is builds

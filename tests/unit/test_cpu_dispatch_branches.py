@@ -197,7 +197,7 @@ def test_saturating_branch_keeps_one_gemm_for_7_bit_codes(vllm_kernel, no_amx, n
 ])
 def test_int8_path_choice_on_a_saturating_cpu(amin, amax, available, path):
     codes = torch.tensor([[amin, 0, amax]], dtype=torch.int8)
-    assert saturation.choose_int8_path(codes, available) == path
+    assert saturation.choose_int8_path(codes, available) == path and path in saturation.INT8_PATHS
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -218,6 +218,17 @@ def test_saturating_branch_runs_the_packed_avx2_gemm(vllm_kernel, no_amx, avx2_k
     # bf16 activations: the same codes as vLLM's quantizer gives, the product rounded once to bf16
     xb = x.to(torch.bfloat16)
     assert torch.equal(kernel.apply_weights(layer, xb, bias), exact_product(codes, scale, x, bias).to(torch.bfloat16))
+
+
+def test_onednn_choice_keeps_the_split_with_the_kernel_built(vllm_kernel, no_amx, avx2_kernel, monkeypatch):
+    """``QURL_VERL_CPU_INT8_GEMM=onednn`` on a saturating CPU: oneDNN's exact split, not the kernel."""
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    monkeypatch.setenv("QURL_VERL_CPU_INT8_GEMM", "onednn")
+    assert saturation.apply()
+    codes, scale, x, bias = w8a8_problem()
+    kernel, layer = int8_linear(codes, scale)
+    assert getattr(kernel, saturation.INT8_PATH_ATTR) == "onednn_split" and kernel.dnnl_handler.n == 2 * N
+    assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
 
 
 def test_packed_path_survives_a_reload_and_falls_back_on_code_minus_128(vllm_kernel, no_amx, avx2_kernel,

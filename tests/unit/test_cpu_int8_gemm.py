@@ -146,3 +146,59 @@ def test_load_reports_a_failed_build_and_returns_false(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="qurl_verl"):
         assert cpu_int8_gemm.load.__wrapped__() is False
     assert "cannot build the AVX2 INT8 GEMM" in caplog.text and "g++: command not found" in caplog.text
+
+
+@pytest.mark.parametrize("value,choice", [(None, "auto"), ("", "auto"), ("auto", "auto"), ("oneDNN", "onednn"),
+                                          (" onednn ", "onednn")])
+def test_gemm_choice_reads_the_environment(monkeypatch, value, choice):
+    if value is None:
+        monkeypatch.delenv(cpu_int8_gemm.GEMM_CHOICE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(cpu_int8_gemm.GEMM_CHOICE_ENV, value)
+    assert cpu_int8_gemm.gemm_choice() == choice
+
+
+def test_gemm_choice_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(cpu_int8_gemm.GEMM_CHOICE_ENV, "avx512")
+    with pytest.raises(ValueError, match="expected 'auto'"):
+        cpu_int8_gemm.gemm_choice()
+
+
+def test_a_stale_build_lock_gives_up_in_bounded_time(monkeypatch, tmp_path, caplog):
+    """torch's loader would wait forever on a lock a killed build left behind: load() waits a bounded
+    time, then warns with the file to delete and keeps oneDNN, never calling the loader."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_int8_gemm, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(cpu_int8_gemm, "BUILD_LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: pytest.fail("waited on a stale lock"))
+    lock = cpu_int8_gemm.build_directory() / "lock"
+    assert lock.is_relative_to(tmp_path)
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    with caplog.at_level(logging.WARNING, logger="qurl_verl"):
+        assert cpu_int8_gemm.load.__wrapped__() is False
+    assert str(lock) in caplog.text
+
+
+def test_a_lock_released_during_the_wait_lets_the_build_go_on(tmp_path):
+    import threading
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()
+    assert cpu_int8_gemm.wait_for_build_lock(lock, timeout_s=30)
+    assert cpu_int8_gemm.wait_for_build_lock(tmp_path / "absent", timeout_s=0)
+
+
+@needs_kernel
+def test_the_op_traces_for_compiled_engines(kernel):
+    """vLLM engines with enforce_eager=false trace the model: the op needs a shape-only (fake) kernel
+    that agrees with the real one, checked by torch's own opcheck and by a full-graph trace."""
+    a, w = codes((3, 64), -128, 127, 8), codes((10, 64), -127, 127, 9)
+    args = (a, torch.rand(3) + 0.5, cpu_int8_gemm.pack_weight(w), torch.rand(10) + 0.5, None, 10, torch.bfloat16)
+    torch.library.opcheck(torch.ops.qurl_cpu.int8_gemm_avx2.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    traced = torch.compile(lambda *xs: cpu_int8_gemm.int8_gemm(*xs) * 2, fullgraph=True, backend="eager")
+    assert torch.equal(traced(*args), cpu_int8_gemm.int8_gemm(*args) * 2)

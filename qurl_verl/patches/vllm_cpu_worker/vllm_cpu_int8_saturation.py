@@ -52,10 +52,11 @@ INT8_PATHS = ("avx2_packed", "onednn_7bit", "onednn_split")
 
 
 def avx2_kernel_available() -> bool:
-    """The packed AVX2 GEMM is built and loaded (False where this CPU has no AVX2 or no compiler)."""
+    """The packed AVX2 GEMM is chosen (``QURL_VERL_CPU_INT8_GEMM``), built and loaded (False where this CPU
+    has no AVX2 or no compiler)."""
     from qurl_verl.platform import cpu_int8_gemm
 
-    return cpu_int8_gemm.load()
+    return cpu_int8_gemm.gemm_choice() == "auto" and cpu_int8_gemm.load()
 
 
 @functools.lru_cache(maxsize=1)
