@@ -25,6 +25,7 @@ import copy
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from qurl_verl.platform.cpu_features import cpu_model_and_flags  # noqa: E402
 from qurl_verl.quant import UpdateStats, UpdateVisibilityTracker, apply_uaq, quantize, update_visibility  # noqa: E402
 
 # Qwen2-0.5B: hidden 896, intermediate 4864, 14 heads / 2 KV heads (head_dim 64), 24 layers.
@@ -73,16 +74,6 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def uaq_one_step(scale: float = 1.5) -> list[dict]:
@@ -210,7 +201,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--skip-uaq", action="store_true", help="skip the UAQ one-step measurement")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quantize.json"))
     args = parser.parse_args(argv)
-    print(f"{cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__}")
+    print(f"{cpu_model_and_flags()[0]}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     runs = []
     for threads in [int(t) for t in args.threads.split(",")]:
         runs.append(time_quantization(args.layers, args.repeats, threads))
@@ -221,7 +212,7 @@ def main(argv=None) -> dict:
         "timing": (f"per tensor {args.repeats} runs; seconds_best sums each tensor's fastest run, seconds_median its "
                    "median run; weight generation not timed. The machine is shared: with other jobs on the cores, "
                    "2 torch threads wait on each other at every parallel region, so 1 thread can be faster."),
-        "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "machine": {"cpu": cpu_model_and_flags()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
                     "python": platform.python_version()},
         "runs": runs,
         "target": "INT8 channel < 3 s on 2 cores",

@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -41,6 +40,8 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_models import INITS, SPECS as MODELS, build_model, param_count  # noqa: E402
+
+from qurl_verl.platform.cpu_features import cpu_class, cpu_flags, cpu_model_and_flags  # noqa: E402
 BATCHES = (1, 8, 32)
 SHORT = (1, 8)  # batch sizes of the FP8 comparison
 N_FIDELITY = 8  # prompts per fidelity set (greedy, sampled)
@@ -287,25 +288,11 @@ def derived_notes(report: dict) -> list[str]:
     return out
 
 
-def cpu_flags() -> tuple[str, set[str]]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), platform.machine())
-    flags = next((set(ln.split(":", 1)[1].split()) for ln in text.splitlines() if ln.startswith("flags")), set())
-    return model, flags
-
-
-def cpu_class(flags: set[str]) -> str:
-    """The x86 class that decides vLLM-CPU's INT8/BF16 kernels. An ``ONEDNN_MAX_CPU_ISA`` cap is named too:
+def results_class(flags: frozenset[str]) -> str:
+    """The CPU class of the results (``cpu_features.cpu_class``). An ``ONEDNN_MAX_CPU_ISA`` cap is named too:
     ``<cap>_onednn_on_<native>`` when it caps oneDNN alone (torch's and sgl-kernel's kernels keep the native
     ISA), ``<cap>_emulated_on_<native>`` when ``ATEN_CPU_CAPABILITY`` caps torch's kernels to the same ISA."""
-    if "amx_int8" in flags:
-        native = "amx"
-    elif "avx512_vnni" in flags:
-        native = "avx512_vnni"
-    elif "avx512f" in flags:
-        native = "avx512"
-    else:
-        native = "avx2_vnni" if "avx_vnni" in flags else "avx2"
+    native = cpu_class(flags)
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower()
     if not cap or cap == "all":
         return native
@@ -331,7 +318,7 @@ def main() -> None:
     parser.add_argument("--render", action="store_true", help="only rewrite the .md from the existing .json")
     args = parser.parse_args()
     if args.out is None:
-        args.out = str(REPO / "bench" / "results" / f"rollout_throughput_{cpu_class(cpu_flags()[1])}")
+        args.out = str(REPO / "bench" / "results" / f"rollout_throughput_{results_class(cpu_flags())}")
     if args.render:
         out = Path(args.out)
         out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
@@ -349,7 +336,7 @@ def main() -> None:
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()
     start = time.perf_counter()
-    cpu_model, flags = cpu_flags()
+    cpu_model, flags = cpu_model_and_flags()
     saturates = vllm_cpu_int8_saturation.onednn_int8_saturates()
     report = {
         "args": {**vars(args), "out": os.path.relpath(args.out, REPO)},
@@ -357,7 +344,7 @@ def main() -> None:
                     "torch": torch.__version__, "vnni": "avx512_vnni" in flags or "avx_vnni" in flags,
                     "amx": "amx_int8" in flags, "avx512": "avx512f" in flags,
                     "onednn_int8_saturates": saturates, "loadavg_start": os.getloadavg(),
-                    "cpu_class": cpu_class(flags), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+                    "cpu_class": results_class(flags), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
                     "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()},
         "blocks": [],
         "notes": [

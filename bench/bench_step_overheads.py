@@ -277,7 +277,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_reload_harness as harness
-    from bench_rollout_throughput import cpu_flags
+    from qurl_verl.platform.cpu_features import cpu_model_and_flags
     from verl.plugin.platform import platform_manager
 
     from qurl_verl.platform.cpu import PlatformCPU
@@ -285,7 +285,7 @@ def main() -> None:
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()
     report = {
-        "machine": {"cpu_model": cpu_flags()[0], "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "machine": {"cpu_model": cpu_model_and_flags()[0], "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "loadavg_start": os.getloadavg()},
         "reps": args.reps, "specs": {k: SPECS[v["model"]] for k, v in SETUPS.items()}, "setups": {},
         "notes": [

@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_models import SPECS  # noqa: E402
 
 from qurl_verl.platform import cpu_int8_gemm  # noqa: E402
+from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags  # noqa: E402
 
 MS = (1, 8, 32)
 OPS = ("quant", "int8_gemm", "split_gemm", "split_add", "int8_7bit_gemm", "bf16_linear", "w8a16_int8pack",
@@ -81,11 +82,8 @@ def layer_shapes(model: str = "mid") -> list[dict]:
 
 
 def cpu_info() -> dict:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    lines = text.splitlines()
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
-    return {"model": model, "cores": os.cpu_count(), "flags": flags}
+    model, flags = cpu_model_and_flags()
+    return {"model": model, "cores": os.cpu_count(), "flags": sorted(flags)}
 
 
 def last_level_cache_bytes() -> int:
@@ -100,20 +98,9 @@ def weight_copies(shape: dict, stream_bytes: int) -> int:
     return max(1, -(-stream_bytes // (shape["n"] * shape["k"])))
 
 
-def native_class(flags: list[str]) -> str:
-    """The CPU class name of this machine's best int8 path."""
-    if "amx_int8" in flags:
-        return "amx"
-    if "avx512_vnni" in flags:
-        return "avx512_vnni"
-    if "avx512f" in flags:
-        return "avx512"
-    return "avx2_vnni" if "avx_vnni" in flags else "avx2"
-
-
 def cpu_classes(flags: list[str]) -> list[dict]:
     """The native class, plus the AVX2 emulations where this CPU is above AVX2."""
-    native = {"name": native_class(flags), "env": {}, "avx2_kernels": False,
+    native = {"name": cpu_class(set(flags)), "env": {}, "avx2_kernels": False,
               "what": "native: every kernel uses this CPU's ISA"}
     if native["name"] in ("avx2", "avx2_vnni"):
         return [native]
@@ -276,25 +263,22 @@ def exactness(ops, gen: torch.Generator) -> list[dict]:
                     split = split_codes(w)
                     if (x_q.long() @ split.long().t()).abs().max() < 2 ** 24:
                         variants.append(("split", split, 2 * n))
-                if cpu_int8_gemm.load():
-                    got = cpu_int8_gemm.int8_gemm(x_q, ones_m, cpu_int8_gemm.pack_weight(w), torch.ones(n), None, n,
-                                                  torch.float32)
+                def record(gemm: str, got: torch.Tensor) -> None:
                     err = (got.double() - ref64.double()).abs()
                     rows.append({"n": n, "k": k, "m": m, "activations": act, "weight_codes": codes_name,
-                                 "gemm": "avx2_packed", "exact": bool((got == ref).all()),
+                                 "gemm": gemm, "exact": bool((got == ref).all()),
                                  "mismatched_outputs": int((got != ref).sum()), "outputs": got.numel(),
                                  "max_abs_err_rel_to_max_abs_ref": float(err.max() / ref64.abs().max())})
+
+                if cpu_int8_gemm.load():
+                    record("avx2_packed", cpu_int8_gemm.int8_gemm(x_q, ones_m, cpu_int8_gemm.pack_weight(w),
+                                                                  torch.ones(n), None, n, torch.float32))
                 for variant, wv, nv in variants:
                     w_scale = torch.ones(nv, 1)  # the handler keeps a raw pointer to it: keep it alive
                     h = ops.create_onednn_scaled_mm(wv.t(), w_scale, torch.float32, True, False, 32)
                     out = torch.empty(m, nv, dtype=torch.float32)
                     ops.onednn_scaled_mm(h, x_q, out, ones_m, None, None, None)
-                    got = out[:, :n] + out[:, n:] if variant == "split" else out
-                    err = (got.double() - ref64.double()).abs()
-                    rows.append({"n": n, "k": k, "m": m, "activations": act, "weight_codes": codes_name,
-                                 "gemm": variant, "exact": bool((got == ref).all()),
-                                 "mismatched_outputs": int((got != ref).sum()), "outputs": got.numel(),
-                                 "max_abs_err_rel_to_max_abs_ref": float(err.max() / ref64.abs().max())})
+                    record(variant, out[:, :n] + out[:, n:] if variant == "split" else out)
     return rows
 
 

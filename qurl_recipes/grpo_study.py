@@ -25,7 +25,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ from qurl_recipes.data.chain_arithmetic import draw_problems
 from qurl_recipes.rewards.chain_arithmetic import final_answer
 from qurl_recipes.uaq_vs_lr import clip_grad_norm_as_uaq_, group_normalised_advantages, per_group_lr_param_groups
 from qurl_verl.losses.acr import LOG_RATIO_BOUND, acr_token_loss
+from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
 from qurl_verl.quant import apply_uaq, int_format, quantize_linear_modules_
 from qurl_verl.quant.linear import W8A8Linear
 from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
@@ -307,27 +307,10 @@ class StudyRun:
         return record
 
 
-def cpu_isa(flags: set[str]) -> str:
-    """The x86 class that decides torch's and oneDNN's CPU kernels, named as the benchmarks name it."""
-    if "amx_int8" in flags:
-        return "amx"
-    if "avx512_vnni" in flags:
-        return "avx512_vnni"
-    if "avx512f" in flags:
-        return "avx512"
-    return "avx2_vnni" if "avx_vnni" in flags else "avx2"
-
-
 def cpu_description() -> dict:
     """This machine's CPU model and class, recorded with every run (step times depend on them)."""
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-
-    def first(key: str) -> str | None:
-        return next((line.split(":", 1)[1].strip() for line in lines if line.startswith(key)), None)
-
-    return {"model": first("model name") or platform.processor(), "isa": cpu_isa(set((first("flags") or "").split())),
-            "torch_threads": torch.get_num_threads()}
+    model, flags = cpu_model_and_flags()
+    return {"model": model, "isa": cpu_class(flags), "torch_threads": torch.get_num_threads()}
 
 
 def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings, out_dir: str | Path) -> Path:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from qurl_verl.platform.cpu_features import cpu_flags  # module attribute: tests force other CPUs through it
+
 logger = logging.getLogger("qurl_verl")
 
 SOURCE = Path(__file__).with_name("cpu_int8_gemm_avx2.cpp")
@@ -45,18 +47,6 @@ def gemm_choice() -> str:
 def cpu_int8_saturates(flags: set[str]) -> bool:
     """oneDNN's int8 GEMM saturates on x86 without VNNI or AMX (the worker confirms with a probe GEMM)."""
     return not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as the kernel reports them in ``/proc/cpuinfo`` (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cpu_supports_kernel(flags: set[str]) -> bool:

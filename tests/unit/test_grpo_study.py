@@ -119,9 +119,9 @@ def test_run_logs_every_step_and_keeps_a_finished_run(tiny, tmp_path):
 ])
 def test_every_cpu_class_is_named_from_its_flags(flags, isa):
     """Each branch forced, whatever this machine is; the names match the benchmarks' result files."""
-    from qurl_recipes.grpo_study import cpu_isa
+    from qurl_verl.platform.cpu_features import cpu_class
 
-    assert cpu_isa(flags) == isa
+    assert cpu_class(flags) == isa
 
 
 def test_cpu_description_reads_this_machine():

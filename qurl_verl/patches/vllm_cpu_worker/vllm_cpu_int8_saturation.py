@@ -171,11 +171,6 @@ def apply() -> bool:
 _chosen_paths: set[str] = set()
 
 
-def int8_paths_chosen() -> list[str]:
-    """The INT8 GEMM paths this process's layers were given, sorted (for tests and diagnostics)."""
-    return sorted(_chosen_paths)
-
-
 def _log_path_once(path: str) -> None:
     if path not in _chosen_paths:
         _chosen_paths.add(path)
