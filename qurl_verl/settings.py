@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -342,6 +343,127 @@ def check_fp8_hardware(settings: RolloutSettings, capability: tuple[int, int] | 
             f"{QUANTIZATION_KEY}={settings.format.value} needs FP8 tensor cores (compute capability >= 8.9: L40S, H100, "
             f"H200, B200); this GPU has {capability[0]}.{capability[1]}, where vLLM would run weight-only FP8 (W8A16) and "
             f"leave activations in bf16. Use {QUANTIZATION_KEY}=int8 (the int8 / tis_int8 presets)."
+        )
+
+
+# vLLM picks the first INT8 kernel of its CUDA list whose is_supported() passes, and Cutlass claims
+# every CUDA GPU (vllm/model_executor/kernels/linear/__init__.py:282-287, scaled_mm/cutlass.py:33-40)
+# but fails at run time on Blackwell (SM100/SM120, vLLM issue #54311). Naming it in
+# VLLM_DISABLED_KERNELS (a comma list, envs.py:1100-1104) makes vLLM take the Triton INT8 kernel.
+DISABLED_KERNELS_ENV = "VLLM_DISABLED_KERNELS"
+CUTLASS_INT8_KERNEL = "CutlassInt8ScaledMMLinearKernel"
+MIN_BLACKWELL_CAPABILITY = (10, 0)
+
+
+def int8_kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment an INT8 rollout engine needs on an NVIDIA GPU of ``capability`` (None: none).
+
+    On Blackwell (>= 10.0) the Cutlass INT8 kernel is appended to ``VLLM_DISABLED_KERNELS``, keeping
+    whatever ``environ`` already disables; otherwise, or when it is already listed, nothing.
+    """
+    if RolloutFormat(fmt) is not RolloutFormat.INT8 or capability is None or tuple(capability) < MIN_BLACKWELL_CAPABILITY:
+        return {}
+    current = environ.get(DISABLED_KERNELS_ENV, "")
+    if CUTLASS_INT8_KERNEL in current.split(","):  # vLLM compares the unstripped entries
+        return {}
+    kept = current.rstrip(",")
+    return {DISABLED_KERNELS_ENV: f"{kept},{CUTLASS_INT8_KERNEL}" if kept else CUTLASS_INT8_KERNEL}
+
+
+# ---------------------------------------------------------------------------------- trainer side of a GPU run
+ACTOR_STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
+ATTN_IMPLEMENTATION_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
+# HFModelConfig builds the actor's HF config with override_config.get("attn_implementation",
+# "flash_attention_2") (verl/workers/config/model.py:185); the FSDP engines load the model with it.
+VERL_DEFAULT_ATTN_IMPLEMENTATION = "flash_attention_2"
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
+# What verl 0.9.1's [fsdp] extra installs (through its flash-attn-cu130torch211 extra); PyPI has
+# only the source distribution, which builds against the installed torch.
+FLASH_ATTN_REQUIREMENT = "flash-attn==2.8.3"
+
+
+def attn_implementation(cfg: Any) -> str:
+    """The attention the FSDP actor (and reference) will be loaded with."""
+    return str(select(cfg, ATTN_IMPLEMENTATION_KEY, VERL_DEFAULT_ATTN_IMPLEMENTATION))
+
+
+def cuda_available() -> bool:
+    """Whether this process sees a GPU through torch.cuda (a driver on a GPU-less head node does not)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def check_flash_attn(attn: str, installed: bool) -> None:
+    """Refuse ``flash_attention_2`` without the flash-attn package: the actor workers would fail to load the model."""
+    if attn == "flash_attention_2" and not installed:
+        raise QurlConfigError(
+            f"{ATTN_IMPLEMENTATION_KEY}={attn} (verl's default) needs the flash-attn package, which is not installed "
+            f"(CUDA vLLM does not bring it). Either `pip install {FLASH_ATTN_REQUIREMENT} --no-build-isolation` "
+            f"(the version verl 0.9.1's [fsdp] extra pins; it compiles against the installed torch) on every node, or "
+            f"train with PyTorch attention: +{ATTN_IMPLEMENTATION_KEY}=sdpa (slower; and only with "
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, since verl's sequence parallelism replaces "
+            "flash-attn's attention only)"
+        )
+
+
+def check_actor_strategy(strategy: Any) -> None:
+    """Refuse verl's Megatron actor as the source of the ``qurl_vllm`` weight stream."""
+    if strategy == "megatron":
+        raise QurlConfigError(
+            f"{ACTOR_STRATEGY_KEY}=megatron with {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: verl's Megatron actor streams its "
+            "bf16 module weights to the rollout (bridge.export_hf_weights), not fp32 masters, so the rollout would "
+            "quantize bf16-rounded weights and the update-visibility metrics would measure that rounding; qurl_vllm "
+            f"is also untested with Megatron. Train with FSDP: drop model_engine=megatron (or "
+            f"--config-name=ppo_megatron_trainer) and set {ACTOR_STRATEGY_KEY}=fsdp2 (or fsdp)"
+        )
+
+
+# ---------------------------------------------------------------------------------- weight-sync bucket
+# verl's sender packs each step's tensors into one buffer of this many MiB
+# (verl/workers/rollout/vllm_rollout/vllm_rollout.py:235-240). Without CUDA IPC (the CPU platform)
+# the buffer is shared memory, and a tensor larger than it fails an assert
+# (bucketed_weight_transfer.py:140-144); with CUDA IPC it is sent on its own.
+BUCKET_MB_KEY = f"{ROLLOUT_KEY}.checkpoint_engine.update_weights_bucket_megabytes"
+VERL_DEFAULT_BUCKET_MB = 2048  # verl/workers/config/rollout.py:135, rollout.yaml
+TRAINER_DTYPE_KEY = "actor_rollout_ref.actor.fsdp_config.model_dtype"  # fp32 by default (engine/fsdp.yaml)
+_DTYPE_BYTES = {"fp32": 4, "float32": 4, "32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "16": 2}
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a verl precision name; 4 (fp32, the default) for anything else."""
+    return _DTYPE_BYTES.get(str(dtype).lower(), 4)
+
+
+def largest_weight(hf_config: Mapping, element_bytes: int) -> tuple[str, int]:
+    """(what, bytes) of the largest tensor the trainer streams for a dense decoder's HF ``config.json``."""
+    hf = hf_config.get("text_config", hf_config)
+    hidden = int(hf.get("hidden_size") or 0)
+    heads = int(hf.get("num_attention_heads") or 0)
+    head_dim = int(hf.get("head_dim") or (hidden // heads if heads else 0))
+    candidates = {
+        "embed_tokens / lm_head (vocab_size x hidden_size)": int(hf.get("vocab_size") or 0) * hidden,
+        "MLP projection (intermediate_size x hidden_size)": int(hf.get("intermediate_size") or 0) * hidden,
+        "q_proj (num_attention_heads * head_dim x hidden_size)": heads * head_dim * hidden,
+    }
+    what = max(candidates, key=candidates.get)
+    return what, candidates[what] * element_bytes
+
+
+def check_weight_fits_bucket(what: str, nbytes: int, bucket_mb: Any) -> None:
+    """Refuse a model whose largest streamed tensor exceeds the shared-memory bucket."""
+    mb = VERL_DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb
+    if nbytes > int(mb) * 2**20:
+        needed = -(-nbytes // 2**20)
+        raise QurlConfigError(
+            f"{BUCKET_MB_KEY}={show(mb)}: the largest weight, {what}, is {needed} MiB as the trainer holds it "
+            f"({TRAINER_DTYPE_KEY}), and without CUDA IPC verl's weight sync cannot send a tensor larger than its "
+            f"shared-memory bucket (it stops on an assert at the first sync); set {BUCKET_MB_KEY}={needed} or more "
+            "(the bucket is allocated in /dev/shm)"
         )
 
 

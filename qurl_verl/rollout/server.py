@@ -5,7 +5,10 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
 
 * ``_apply_quantization``: the compressed-tensors ``quantization_config`` for int8 / fp8 /
   fp8_block, nothing for bf16. With verl's default ``load_format=dummy`` the engine starts on
-  random weights; the first weight sync, before any rollout, brings in the trainer's.
+  random weights; the first weight sync, before any rollout, brings in the trainer's. It runs in
+  the server process before the engine exists, on the server's GPU: FP8 is refused below 8.9,
+  and INT8 on Blackwell gets vLLM's Triton kernel (``settings.int8_kernel_env``) through the
+  environment the engine's processes inherit.
 * ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
   layerwise-reload lifecycle at every sync.
 * ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
@@ -18,20 +21,43 @@ hard-codes ``"vllm_"``, which would make ``ray.get_actor("qurl_vllm_server_0_0")
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
+import torch
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
-from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings, check_architecture, check_fp8_hardware, cuda_capability
+from qurl_verl.settings import (
+    LAYERWISE_RELOAD_WORKER_ENV,
+    RolloutSettings,
+    check_architecture,
+    check_fp8_hardware,
+    cuda_capability,
+    int8_kernel_env,
+)
+
+logger = logging.getLogger("qurl_verl")
+
+
+def set_int8_kernel_env(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:
+    """Steer vLLM off a kernel this GPU cannot run, before the engine (and its workers) start."""
+    nvidia = capability if torch.version.hip is None else None  # ROCm capabilities count differently
+    env = int8_kernel_env(settings.format, nvidia, os.environ)
+    if env:
+        logger.info("qurl_vllm: INT8 on compute capability %d.%d, using vLLM's Triton kernel: %s",
+                    capability[0], capability[1], env)
+        os.environ.update(env)
 
 
 class QurlvLLMHttpServer(vLLMHttpServer):
     def _apply_quantization(self):
         settings = RolloutSettings.from_rollout_config(self.config)
         check_architecture(getattr(self.model_config.hf_config, "architectures", None), self.model_config.path)
-        check_fp8_hardware(settings, cuda_capability())
+        capability = cuda_capability()
+        check_fp8_hardware(settings, capability)
+        set_int8_kernel_env(settings, capability)
         return settings.engine_quantization()
 
     def _get_worker_extension_cls(self) -> str:

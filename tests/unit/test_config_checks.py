@@ -177,3 +177,19 @@ def test_driver_builds_the_avx2_int8_gemm_only_where_the_workers_use_it(monkeypa
     monkeypatch.setattr(cpu_int8_gemm, "load", lambda: built.append(True) or True)
     qc.prepare_cpu_int8_gemm(RolloutSettings(format=fmt))
     assert bool(built) is builds
+
+
+def test_cpu_platform_refuses_a_tensor_larger_than_the_weight_sync_bucket(tmp_path, monkeypatch):
+    """Shared memory has no large-tensor path in verl's sender: Qwen2.5-7B's fp32 embedding (2079 MiB)
+    exceeds the default 2048 MiB bucket; the message names the key and the size that fits."""
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+        "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4}))
+    key = "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes"
+    cfg = compose_ppo_config([*CPU_OK, f"actor_rollout_ref.model.path={tmp_path}"])
+    with pytest.raises(QurlConfigError, match=rf"{key}=2048: the largest weight, embed_tokens .* set {key}=2079 or more"):
+        qc.check_config(cfg)
+    qc.check_config(compose_ppo_config([*CPU_OK, f"actor_rollout_ref.model.path={tmp_path}", f"{key}=2079"]))
+    qc.check_config(compose_ppo_config([*CPU_OK, f"actor_rollout_ref.model.path={tmp_path}",
+                                        "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]))

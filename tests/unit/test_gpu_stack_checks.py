@@ -1,0 +1,218 @@
+"""The GPU stack verl 0.9.1 declares (CUDA vLLM 0.24, torch 2.11), decided without a GPU: flash-attn
+for the FSDP actor, vLLM's INT8 kernel on Blackwell, the Megatron actor, the weight-sync bucket.
+The GPU-side predicates (a visible GPU, its compute capability, an installed package) are stubbed."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_plugin_neutrality import GRPO_EXAMPLE
+
+from qurl_recipes.compose import compose_ppo_config
+from qurl_verl import driver, settings
+from qurl_verl.settings import (
+    BUCKET_MB_KEY,
+    CUTLASS_INT8_KERNEL,
+    DISABLED_KERNELS_ENV,
+    QurlConfigError,
+    check_actor_strategy,
+    check_flash_attn,
+    check_weight_fits_bucket,
+    dtype_bytes,
+    int8_kernel_env,
+    largest_weight,
+)
+
+QURL_GPU_RUN = [o for o in GRPO_EXAMPLE if not o.startswith("actor_rollout_ref.rollout.name=")]
+SDPA = "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"
+BOTH_FIXES = (r"pip install flash-attn==2\.8\.3 --no-build-isolation.*"
+              r"\+actor_rollout_ref\.model\.override_config\.attn_implementation=sdpa")
+
+
+@pytest.fixture(autouse=True)
+def offline_dry_run(monkeypatch):
+    monkeypatch.setenv("QURL_DRY_RUN", "1")  # hub ids are not fetched, UAQ is not applied
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+
+
+def stub_flash_attn(monkeypatch, installed: bool) -> None:
+    """``importlib.util.find_spec`` answers for flash_attn as told, for every other module as usual."""
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        if name == "flash_attn":
+            return SimpleNamespace(name=name) if installed else None
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+
+# ---------------------------------------------------------------------------------- flash-attn
+@pytest.mark.parametrize("attn, installed, refused", [
+    ("flash_attention_2", False, True), ("flash_attention_2", True, False),
+    ("sdpa", False, False), ("eager", False, False),
+])
+def test_flash_attention_without_flash_attn_is_refused(attn, installed, refused):
+    if refused:
+        with pytest.raises(QurlConfigError, match=BOTH_FIXES):
+            check_flash_attn(attn, installed)
+    else:
+        check_flash_attn(attn, installed)
+
+
+def test_verl_default_attention_is_flash_attention_2():
+    assert settings.attn_implementation(compose_ppo_config(QURL_GPU_RUN)) == "flash_attention_2"
+    assert settings.attn_implementation(compose_ppo_config([*QURL_GPU_RUN, SDPA])) == "sdpa"
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_gpu_driver_checks_flash_attn_with_find_spec(monkeypatch, installed):
+    monkeypatch.setattr(driver, "cuda_available", lambda: True)
+    stub_flash_attn(monkeypatch, installed)
+    cfg = compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8"])
+    if installed:
+        driver.check_config(cfg)
+    else:
+        with pytest.raises(QurlConfigError, match=BOTH_FIXES):
+            driver.check_config(cfg)
+
+
+def test_sdpa_override_needs_no_flash_attn(monkeypatch):
+    monkeypatch.setattr(driver, "cuda_available", lambda: True)
+    stub_flash_attn(monkeypatch, installed=False)
+    driver.check_config(compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8", SDPA]))
+
+
+def test_driver_without_a_gpu_leaves_flash_attn_to_the_workers(monkeypatch):
+    """A head node without GPUs (or a dry run on a laptop) says nothing about the workers' packages."""
+    monkeypatch.setattr(driver, "cuda_available", lambda: False)
+    stub_flash_attn(monkeypatch, installed=False)
+    driver.check_config(compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8"]))
+
+
+def test_cpu_device_is_not_checked_for_flash_attn(monkeypatch):
+    monkeypatch.setattr(driver, "cuda_available", lambda: True)
+    stub_flash_attn(monkeypatch, installed=False)
+    driver.check_gpu_attention(compose_ppo_config([*QURL_GPU_RUN, "trainer.device=cpu"]))
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    driver.check_gpu_attention(compose_ppo_config(QURL_GPU_RUN))
+
+
+def test_stock_run_is_never_checked_for_flash_attn(monkeypatch):
+    monkeypatch.setattr(driver, "cuda_available", lambda: True)
+    stub_flash_attn(monkeypatch, installed=False)
+    assert driver.on_validate_config(compose_ppo_config(GRPO_EXAMPLE)) is None
+
+
+# ---------------------------------------------------------------------------------- INT8 on Blackwell
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0), (12, 0)])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+def test_int8_on_blackwell_disables_the_cutlass_kernel(capability, fmt):
+    env = int8_kernel_env(fmt, capability, {})
+    if fmt == "int8" and capability >= (10, 0):
+        assert env == {DISABLED_KERNELS_ENV: CUTLASS_INT8_KERNEL}
+    else:
+        assert env == {}
+
+
+def test_no_gpu_sets_nothing():
+    assert int8_kernel_env("int8", None, {}) == {}
+
+
+@pytest.mark.parametrize("current, expected", [
+    ("MacheteLinearKernel", f"MacheteLinearKernel,{CUTLASS_INT8_KERNEL}"),
+    ("MacheteLinearKernel,", f"MacheteLinearKernel,{CUTLASS_INT8_KERNEL}"),
+    ("", CUTLASS_INT8_KERNEL),
+    (f"MacheteLinearKernel,{CUTLASS_INT8_KERNEL}", None),
+])
+def test_existing_disabled_kernels_are_kept(current, expected):
+    env = int8_kernel_env("int8", (12, 0), {DISABLED_KERNELS_ENV: current})
+    assert env == ({} if expected is None else {DISABLED_KERNELS_ENV: expected})
+
+
+def test_the_name_is_vllms_kernel_class():
+    """The class vLLM compares against ``VLLM_DISABLED_KERNELS`` (its ``__name__``) exists under this name."""
+    pytest.importorskip("vllm", reason="needs vLLM")
+    linear = pytest.importorskip("vllm.model_executor.kernels.linear", reason="vLLM without the kernel registry")
+    assert getattr(linear, CUTLASS_INT8_KERNEL).__name__ == CUTLASS_INT8_KERNEL
+
+
+@pytest.fixture
+def server_module():
+    pytest.importorskip("vllm", reason="needs vLLM")
+    from qurl_verl.rollout import server
+
+    return server
+
+
+def fake_server(quantization):
+    return SimpleNamespace(
+        config=SimpleNamespace(quantization=quantization, custom=None),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"]), path="/models/x"),
+    )
+
+
+@pytest.mark.parametrize("capability, fmt, hip, expected", [
+    ((10, 0), "int8", None, f"MacheteLinearKernel,{CUTLASS_INT8_KERNEL}"),
+    ((12, 0), "int8", None, f"MacheteLinearKernel,{CUTLASS_INT8_KERNEL}"),
+    ((9, 0), "int8", None, "MacheteLinearKernel"),
+    ((10, 0), "bf16", None, "MacheteLinearKernel"),
+    ((10, 0), "int8", "6.2", "MacheteLinearKernel"),  # ROCm: its capabilities are not NVIDIA's
+])
+def test_server_sets_the_kernel_env_before_the_engine(server_module, monkeypatch, capability, fmt, hip, expected):
+    monkeypatch.setattr(server_module, "cuda_capability", lambda: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setenv(DISABLED_KERNELS_ENV, "MacheteLinearKernel")  # restored after the test
+    server_module.QurlvLLMHttpServer._apply_quantization(fake_server(fmt))
+    assert os.environ[DISABLED_KERNELS_ENV] == expected
+
+
+# ---------------------------------------------------------------------------------- Megatron
+MEGATRON_RUN = [o for o in QURL_GPU_RUN if "fsdp_config" not in o]  # the GRPO example's FSDP keys
+
+
+def test_megatron_actor_is_refused_for_qurl_vllm():
+    with pytest.raises(QurlConfigError, match=r"strategy=megatron .* streams its bf16 .* set actor_rollout_ref\.actor\.strategy=fsdp2"):
+        driver.check_config(compose_ppo_config([*MEGATRON_RUN, "model_engine=megatron", "+qurl=tis_int8"]))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp2"])
+def test_fsdp_actor_passes(strategy):
+    check_actor_strategy(strategy)
+    driver.check_config(compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8", f"actor_rollout_ref.actor.strategy={strategy}"]))
+
+
+def test_stock_megatron_run_is_not_checked():
+    assert driver.on_validate_config(compose_ppo_config([*MEGATRON_RUN, "model_engine=megatron",
+                                                         "actor_rollout_ref.rollout.name=vllm"])) is None
+
+
+# ---------------------------------------------------------------------------------- weight-sync bucket
+QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+             "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4}
+
+
+def test_largest_weight_of_a_7b_model():
+    what, nbytes = largest_weight(QWEN25_7B, dtype_bytes("fp32"))
+    assert what.startswith("embed_tokens / lm_head") and nbytes == 152064 * 3584 * 4  # 2079 MiB
+    assert largest_weight({"text_config": QWEN25_7B}, 2)[1] == 152064 * 3584 * 2
+    mlp_heavy = {**QWEN25_7B, "vocab_size": 1000}
+    assert largest_weight(mlp_heavy, 4) == ("MLP projection (intermediate_size x hidden_size)", 18944 * 3584 * 4)
+
+
+@pytest.mark.parametrize("dtype, expected", [("fp32", 4), ("float32", 4), ("bf16", 2), ("bfloat16", 2), ("fp16", 2), (None, 4)])
+def test_trainer_dtype_bytes(dtype, expected):
+    assert dtype_bytes(dtype) == expected
+
+
+def test_tensor_larger_than_the_bucket_is_refused():
+    what, nbytes = largest_weight(QWEN25_7B, 4)
+    with pytest.raises(QurlConfigError, match=rf"{BUCKET_MB_KEY}=2048: the largest weight, embed_tokens.* set {BUCKET_MB_KEY}=2079 or more"):
+        check_weight_fits_bucket(what, nbytes, 2048)
+    with pytest.raises(QurlConfigError, match="=2079 or more"):
+        check_weight_fits_bucket(what, nbytes, None)  # verl's default, 2048
+    check_weight_fits_bucket(what, nbytes, 2079)
+    check_weight_fits_bucket(*largest_weight(QWEN25_7B, 2), 2048)  # bf16 masters: 1040 MiB
