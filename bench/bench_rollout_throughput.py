@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_models import INITS, SPECS as MODELS, build_model, param_count  # noqa: E402
 
-from qurl_verl.platform.cpu_features import cpu_class, cpu_flags, cpu_model_and_flags  # noqa: E402
+from qurl_verl.platform.cpu_features import cpu_class, cpu_flags, cpu_model_and_flags, vllm_cpu_library  # noqa: E402
 BATCHES = (1, 8, 32)
 SHORT = (1, 8)  # batch sizes of the FP8 comparison
 N_FIDELITY = 8  # prompts per fidelity set (greedy, sampled)
@@ -342,7 +342,8 @@ def main() -> None:
         "args": {**vars(args), "out": os.path.relpath(args.out, REPO)},
         "machine": {"cpu_model": cpu_model, "cores": os.cpu_count(), "vllm": vllm.__version__,
                     "torch": torch.__version__, "vnni": "avx512_vnni" in flags or "avx_vnni" in flags,
-                    "amx": "amx_int8" in flags, "avx512": "avx512f" in flags,
+                    "amx": "amx_int8" in flags, "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
+                    "vllm_library": vllm_cpu_library(flags),
                     "onednn_int8_saturates": saturates, "loadavg_start": os.getloadavg(),
                     "cpu_class": results_class(flags), "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
                     "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()},

