@@ -8,6 +8,8 @@ its own scales and the partial results are summed in float32, as block-scaled GE
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .formats import ACTIVATION_FOR_WEIGHT, activation_format
@@ -46,15 +48,33 @@ def fp8_scaled_matmul(
 
     ``scale_a`` is [M, 1] and ``scale_b`` [N, 1] (row-wise). Fast on Hopper-class GPUs; on CPU it
     is emulated and about 45x slower than a bf16 matmul of the same shape, so use it there for
-    correctness only (``W8A8Linear(fake=True)`` is the quick CPU stand-in).
+    correctness only (``W8A8Linear(fake=True)`` is the quick CPU stand-in). Where the build takes
+    only per-tensor scales (CPU before torch 2.13), the codes are multiplied with unit scales and
+    the float32 product rescaled after, as a row-wise kernel's epilogue does.
     """
-    return torch._scaled_mm(
-        a.contiguous(),
-        b.contiguous().t(),
-        scale_a=scale_a.to(torch.float32).reshape(-1, 1).contiguous(),
-        scale_b=scale_b.to(torch.float32).reshape(1, -1).contiguous(),
-        out_dtype=torch.float32,
-    )
+    scale_a = scale_a.to(torch.float32).reshape(-1, 1).contiguous()
+    scale_b = scale_b.to(torch.float32).reshape(1, -1).contiguous()
+    if not rowwise_scaled_mm_supported(a.device.type):
+        one = torch.ones((), dtype=torch.float32, device=a.device)
+        product = torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return product * scale_a * scale_b
+    return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=scale_a, scale_b=scale_b,
+                            out_dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def rowwise_scaled_mm_supported(device_type: str) -> bool:
+    """Whether ``torch._scaled_mm`` takes row-wise scales on this device type (CPU: torch >= 2.13;
+    the CUDA builds that run FP8 take them). Probed once with a 2 x 16 x 2 product (two scales a side:
+    one each would pass as per-tensor)."""
+    if device_type != "cpu":
+        return True
+    a = torch.ones(2, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(2, 1), scale_b=torch.ones(1, 2), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _int8_rescaled(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:

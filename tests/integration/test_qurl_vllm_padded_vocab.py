@@ -23,6 +23,7 @@ import logging
 
 import pytest
 import torch
+from packaging.version import Version
 from vllm_reload_harness import (
     TrainerWeights,
     abs_diffs,
@@ -39,7 +40,7 @@ from vllm_reload_harness import (
 )
 
 from qurl_recipes.tiny_model import TinyModelSpec
-from qurl_verl.rollout import worker_extension
+from qurl_verl.rollout import vllm_versions, worker_extension
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import RolloutSettings
 
@@ -146,9 +147,12 @@ def test_pass_through_dtype_cast_stores_the_same_bits_without_warnings(padded_mo
         print("\nsync warnings with the cast and filter:", warnings, "\nwithout:", *raw_warnings, sep="\n")
         assert not [w for w in warnings if "load weight" in w], warnings
         dtype_warnings = [w for w in raw_warnings if w.startswith("Attempted to load weight")]
-        # embed_tokens, 2 x 2 layer norms, the final norm, lm_head: what Qwen2's loader casts itself
-        assert len(dtype_warnings) == 7 and all("torch.float32 into parameter with dtype torch.bfloat16" in w
-                                                 for w in dtype_warnings), raw_warnings
+        # vLLM 0.32's AutoWeightsLoader (vllm/model_executor/models/utils.py) warns for each tensor it
+        # casts: embed_tokens, 2 x 2 layer norms, the final norm, lm_head. vLLM 0.24 casts silently.
+        emits_dtype_warnings = Version(vllm_versions.vllm_version()).release >= (0, 32)
+        assert len(dtype_warnings) == (7 if emits_dtype_warnings else 0), raw_warnings
+        assert all("torch.float32 into parameter with dtype torch.bfloat16" in w for w in dtype_warnings), raw_warnings
+        # both versions warn for the RoPE cache, which no stream carries (finalize_layerwise_reload)
         assert "RotaryEmbedding: Failed to load weights" in raw_warnings, raw_warnings
 
         assert state.keys() == raw_state.keys()

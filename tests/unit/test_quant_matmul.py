@@ -47,11 +47,20 @@ def test_int8_accumulator_at_the_edge_of_the_grid():
     assert int(acc[0, 0]) == 127 * 127 * k
 
 
-def test_fp8_scaled_matmul_matches_float64_product_of_codes():
+@pytest.mark.parametrize("rowwise", [True, False], ids=["rowwise_scales", "per_tensor_build"])
+def test_fp8_scaled_matmul_matches_float64_product_of_codes(monkeypatch, rowwise):
+    """Both paths: a build whose ``_scaled_mm`` takes row-wise scales, and one that takes per-tensor
+    scales only (CPU before torch 2.13; forced here whatever this build does)."""
+    import qurl_verl.quant.matmul as matmul
+
+    if rowwise and not matmul.rowwise_scaled_mm_supported("cpu"):
+        pytest.skip(f"torch {torch.__version__} takes per-tensor scales only on CPU")
+    monkeypatch.setattr(matmul, "rowwise_scaled_mm_supported", lambda device_type: rowwise)
     a = rand(5, 96, seed=3, std=50).clamp(-448, 448).to(torch.float8_e4m3fn)
     b = rand(24, 96, seed=4, std=50).clamp(-448, 448).to(torch.float8_e4m3fn)
     sa, sb = rand(5, 1, seed=5).abs() + 0.1, rand(24, 1, seed=6).abs() + 0.1
     out = fp8_scaled_matmul(a, b, sa, sb)
+    # float32 accumulation of exact fp8 products, two float32 scalings: a few ulps of the largest term
     ref = (a.double() @ b.double().t()) * sa.double() * sb.double().t()
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
 
