@@ -13,7 +13,11 @@ turns them into what vLLM's ``load_weights`` takes for a compressed-tensors W8A8
   cast it there anyway (``copy_``, the same rounding), but log a dtype warning for every such
   tensor on every sync, and an fp32 copy of a bf16 parameter costs twice the memory;
 * tensors that already arrive quantized (an 8-bit weight with its ``weight_scale``, i.e. a
-  trainer that quantized on its side) are cloned unchanged.
+  trainer that quantized on its side) are cloned unchanged;
+* names the engine has no tensor of its own for (``skip``: ``lm_head.weight`` when the engine
+  ties it to the input embedding, see ``tied_output_embedding``) are dropped before any copy. A
+  trainer's tied ``lm_head.weight`` is a full vocab x hidden fp32 tensor (0.5-1.6 GB for 1.5B-7B
+  models) that vLLM would discard or write a second time into the embedding's Parameter.
 
 Which linears stay in full precision is vLLM's ``ignore`` rule on the engine's own list
 (``compressed_tensors_format.is_ignored``), so the stream never keeps a layer the engine built as
@@ -38,6 +42,24 @@ from qurl_verl.settings import RolloutSettings
 
 EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 CASTABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+TIED_LM_HEAD_NAMES = frozenset({"lm_head.weight"})  # HF name of the output layer in Qwen2/Qwen3/Llama
+
+
+def tied_output_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The engine model's ``lm_head`` if it computes logits from the input embedding's Parameter, else None.
+
+    Read from the engine's modules (Qwen2/Qwen3/Llama layout), not from the config, because the two
+    vLLM versions tie differently: 0.24's Qwen2 makes ``lm_head`` the embedding module itself and its
+    ``load_weights`` drops ``lm_head.*``; 0.32's Qwen2 and both versions' Llama build a
+    ``ParallelLMHead`` whose ``weight`` is the embedding's Parameter. Call it while the model is
+    intact: a layerwise reload gives the lm_head its own meta weight until it finalizes.
+    """
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(lm_head, "weight", None)
+    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
+        return None
+    return lm_head
 
 
 @dataclass
@@ -45,6 +67,7 @@ class StreamStats:
     tensors_in: int = 0
     quantized: int = 0
     passed_through: int = 0
+    skipped: int = 0  # dropped before any copy: names in ``WeightStreamQuantizer.skip``
     bytes_in: int = 0
     quantize_s: float = 0.0  # quantizing the targeted weights
     copy_s: float = 0.0  # copying the pass-through tensors out of the transport buffer (and casting)
@@ -58,12 +81,15 @@ class WeightStreamQuantizer:
     ``param_dtypes``: the engine's parameter dtype under each name the stream may send (HF names,
     fused shards included); a pass-through float tensor is copied in that dtype. Names it lacks,
     and all tensors when it is None, keep the dtype they arrive in.
+    ``skip``: names the engine does not load (``TIED_LM_HEAD_NAMES`` for a tied engine); they are
+    neither copied nor returned, only counted.
     """
 
     settings: RolloutSettings
     tracker: UpdateVisibilityTracker | None = None
     stats: StreamStats = field(default_factory=StreamStats)
     param_dtypes: Mapping[str, torch.dtype] | None = None
+    skip: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         self.ignore = self.settings.ignore_patterns  # normalized as vLLM matches it: the engine's own list
@@ -84,7 +110,8 @@ class WeightStreamQuantizer:
 
     def transform(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """One bucket in, the tensors to load out; nothing returned aliases the input buffers."""
-        bucket = list(bucket)
+        received = list(bucket)
+        bucket = [(n, t) for n, t in received if n not in self.skip]
         is_target = [self.is_target(n, t) for n, t in bucket]
         start = time.perf_counter()
         out = [(n, self.pass_through(n, t)) for (n, t), q in zip(bucket, is_target) if not q]
@@ -99,10 +126,11 @@ class WeightStreamQuantizer:
         self.stats.copy_s += copied - start
         self.stats.quantize_s += quantized - copied
         self.stats.code_change_s += time.perf_counter() - quantized
-        self.stats.tensors_in += len(bucket)
+        self.stats.tensors_in += len(received)
         self.stats.quantized += len(targets)
         self.stats.passed_through += len(bucket) - len(targets)
-        self.stats.bytes_in += sum(t.numel() * t.element_size() for _, t in bucket)
+        self.stats.skipped += len(received) - len(bucket)
+        self.stats.bytes_in += sum(t.numel() * t.element_size() for _, t in received)
         return out
 
     def _observe(self, targets, quantized) -> None:

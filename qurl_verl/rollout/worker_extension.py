@@ -9,10 +9,14 @@ One weight sync is one pass of vLLM's layerwise-reload lifecycle
     finalize_layerwise_reload(model, model_config) once: leftovers and attention layers
     + checks: every layer fully streamed (vocabulary padding rows excepted: vLLM zero-fills them),
       nothing left on meta, weight scales finite and > 0
+    + attention's KV-cache scales back to vLLM's defaults: no stream carries them, and a level-2
+      sleep (verl's ``enable_sleep_mode``) wipes the ones vLLM 0.24 keeps as parameters
 
 Pass-through tensors are sent in the dtype of the parameter they load into, so the loaders have
 nothing to warn about; finalize's warning for the config-only RoPE cache is filtered (see
-``_quiet_config_only_layers``).
+``_quiet_config_only_layers``). A tied ``lm_head.weight`` in the stream is dropped before it is
+copied (``weight_stream.tied_output_embedding``; counted as ``skipped``): the engine's lm_head
+reads the embedding's Parameter, reloaded under the embedding's name.
 
 On CPU, three vLLM-CPU work-arounds (``qurl_verl.patches``): before the model loads, the oneDNN
 weight-scale keep-alive (needed by every reload) and exact INT8 GEMMs on CPUs whose oneDNN int8
@@ -45,7 +49,7 @@ from qurl_verl.quant import UpdateVisibilityTracker
 from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
 from qurl_verl.settings import DEFAULT_WEIGHT_BITS, RolloutSettings
 from qurl_verl.rollout import vllm_versions
-from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
+from qurl_verl.rollout.weight_stream import TIED_LM_HEAD_NAMES, WeightStreamQuantizer, tied_output_embedding
 
 logger = logging.getLogger("qurl_verl")
 
@@ -69,6 +73,7 @@ class SyncStats:
     buckets: int = 0
     tensors_in: int = 0
     quantized: int = 0
+    skipped: int = 0  # received, never copied: names the engine does not load (a tied lm_head)
     bytes_in: int = 0
     rss_mb: float = 0.0  # worker resident memory after the sync, to watch for leaks
     # QuRL's weight-update problem: share of the tracked 8-bit codes this sync changed, and
@@ -199,10 +204,14 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
             raise NotImplementedError("qurl_vllm does not sync MTP drafter weights")
         model = self.model_runner.model
         model_config = self.model_runner.vllm_config.model_config
+        attention_layers = _unquantized_kv_cache_layers(model)
         device = self.device or torch.device("cpu")
         settings = self.qurl_settings(weight_bits)
         tracker = self._code_change_tracker(settings, code_change_row_stride, code_change_max_bytes)
-        stream = WeightStreamQuantizer(settings, tracker=tracker)
+        # Read while the model is intact: during the reload a tied lm_head gets its own meta weight.
+        skip = TIED_LM_HEAD_NAMES if tied_output_embedding(model) is not None else frozenset()
+        tied_lm_head = vllm_cpu_tied_lm_head_refresh.tied_lm_head(model)
+        stream = WeightStreamQuantizer(settings, tracker=tracker, skip=skip)
         stats = SyncStats(sync=self._qurl_syncs + 1, format=settings.format.value, weight_bits=settings.weight_bits)
         buffer_names = {name for name, _ in model.named_buffers()}
         buffer_updates: list[tuple[str, torch.Tensor]] = []
@@ -217,8 +226,6 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
             stats.load_s += time.perf_counter() - start
             stats.buckets += 1
 
-        # A tied lm_head gets its own meta weight during the reload: spot it while still tied.
-        tied_lm_head = vllm_cpu_tied_lm_head_refresh.tied_lm_head(model)
         start = time.perf_counter()
         try:
             with torch.device(device):
@@ -227,9 +234,11 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
             yield load_bucket
             _check_all_layers_loaded(model, allowed_missing=tied_lm_head)
             finalize_start = time.perf_counter()
-            with torch.device(device), _quiet_config_only_layers(model):
+            with torch.device(device), _quiet_config_only_layers(model), _quiet_skipped_lm_head(tied_lm_head):
                 finalize_layerwise_reload(model, model_config)
             self._refresh_after_reload(model)
+            with torch.device(device), torch.no_grad():  # 0.24's scale parameters require grad
+                _reset_kv_cache_scales(attention_layers)
             apply_buffer_updates(model, buffer_updates)
             stats.finalize_s = time.perf_counter() - finalize_start
             _check_reloaded_model(model)
@@ -238,7 +247,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
             raise WeightReloadError(f"weight sync {stats.sync} failed; the rollout engine is unusable: {e}") from e
         stats.total_s = time.perf_counter() - start
         stats.rss_mb = psutil.Process().memory_info().rss / 2**20
-        for key in ("quantize_s", "copy_s", "code_change_s", "tensors_in", "quantized", "bytes_in"):
+        for key in ("quantize_s", "copy_s", "code_change_s", "tensors_in", "quantized", "skipped", "bytes_in"):
             setattr(stats, key, getattr(stream.stats, key))
         if tracker is not None:
             summary = tracker.end_step()
@@ -290,8 +299,9 @@ def _check_all_layers_loaded(model: torch.nn.Module, allowed_missing: torch.nn.M
     deliver; else vLLM would keep stale weights (nothing loaded) or post-process uninitialized
     memory (partly loaded) without an error. Attention layers' KV-cache scales are not streamed and
     are not checked. Vocabulary padding rows are never loaded (``_streamable_numel``).
-    ``allowed_missing``: the tied lm_head, whose weight a stream may send under the embedding's
-    name only (then vLLM keeps the shared Parameter, updated through the embedding)."""
+    ``allowed_missing``: the tied lm_head (a layer of its own sharing the embedding's Parameter),
+    whose weight the stream skips; vLLM then keeps the shared Parameter, updated through the
+    embedding, which is checked like any layer."""
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     missing = []
@@ -359,6 +369,72 @@ def _quiet_config_only_layers(model: torch.nn.Module):
         yield
     finally:
         log.removeFilter(keep)
+
+
+@contextmanager
+def _quiet_skipped_lm_head(lm_head: torch.nn.Module | None):
+    """Around ``finalize_layerwise_reload``: drop its "<Layer>: Failed to load weights" warning for the
+    tied lm_head, whose weight the stream skips on purpose; vLLM then puts the shared Parameter back,
+    the embedding's, already reloaded. Matched by class name, as vLLM logs it: any other layer of
+    that class that got nothing has already failed ``_check_all_layers_loaded``."""
+    if lm_head is None:
+        yield
+        return
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    name = type(lm_head).__name__
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] == name)
+
+    log = logging.getLogger(layerwise.__name__)
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
+
+
+_warned_kv_cache_scales = False
+
+
+def _unquantized_kv_cache_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The attention layers (those holding KV-cache scales) whose KV cache is not quantized.
+
+    A quantized (fp8) KV cache needs calibrated scales, which no stream carries: its layers keep
+    what vLLM set at start-up (from dummy weights: random), which a level-2 sleep then wipes.
+    Warned once per worker; qurl_vllm rolls out with the unquantized cache."""
+    global _warned_kv_cache_scales
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    layers = [m for m in model.modules() if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")]
+    quantized = sorted({m.kv_cache_dtype for m in layers if is_quantized_kv_cache(m.kv_cache_dtype)})
+    if quantized and not _warned_kv_cache_scales:
+        _warned_kv_cache_scales = True
+        logger.warning(
+            "qurl_vllm: the KV cache is %s, but weight syncs carry no KV-cache scales: they keep the "
+            "values of the engine's dummy start-up weights. Use kv_cache_dtype=auto.", ", ".join(quantized),
+        )
+    return [m for m in layers if not is_quantized_kv_cache(m.kv_cache_dtype)]
+
+
+def _reset_kv_cache_scales(attention_layers: list[torch.nn.Module]) -> None:
+    """After a reload: vLLM's defaults (1.0) in the KV-cache scales of attention layers with an
+    unquantized KV cache, as vLLM sets them there (``set_default_quant_scales``).
+
+    No stream delivers them, and the reload puts back whatever the layer held. Under vLLM 0.24 a
+    compressed-tensors model keeps ``_q_scale``/``_k_scale``/``_v_scale`` as *parameters* (its KV-cache
+    method assigns its ``k_scale`` Parameter to them), filled by the dummy load with random values;
+    a level-2 sleep (verl, ``enable_sleep_mode``) discards them and restores only buffers, leaving
+    uninitialized memory. The same goes for the scale ranges and host copies kept as plain
+    attributes. vLLM forces these scales to 1.0 for an unquantized KV cache, yet its GPU
+    FlashAttention still receives ``_q/_k/_v_scale`` as descale factors on every call: after the
+    reset they hold exactly vLLM's values, whatever the kernel does with them, and the sync
+    defines every tensor the engine holds."""
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+    for layer in attention_layers:
+        set_default_quant_scales(layer, register_buffer=False)
 
 
 def _check_reloaded_model(model: torch.nn.Module) -> None:

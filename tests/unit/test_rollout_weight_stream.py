@@ -7,7 +7,7 @@ import torch
 
 from qurl_verl.quant import UpdateVisibilityTracker, quantize, update_visibility
 from qurl_verl.settings import RolloutSettings
-from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
+from qurl_verl.rollout.weight_stream import TIED_LM_HEAD_NAMES, WeightStreamQuantizer, tied_output_embedding
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -144,3 +144,46 @@ def test_pass_through_tensors_are_sent_in_the_engine_dtype(state):
             engine_param = torch.empty(t.shape, dtype=torch.bfloat16)
             engine_param.copy_(t)
             assert out[name].dtype == torch.bfloat16 and torch.equal(out[name], engine_param), name
+
+
+def _engine_layout(tied: bool, lm_head_is_embedding: bool = False) -> torch.nn.Module:
+    """The modules ``tied_output_embedding`` reads, as vLLM builds them: 0.24's Qwen2 reuses the
+    embedding module as ``lm_head``; 0.32's Qwen2 and Llama give ``lm_head`` the embedding's Parameter."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(8, 4)
+    if lm_head_is_embedding:
+        model.lm_head = model.model.embed_tokens
+    else:
+        model.lm_head = torch.nn.Linear(4, 8, bias=False)
+        if tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+@pytest.mark.parametrize("tied,lm_head_is_embedding", [(True, False), (True, True), (False, False)])
+def test_the_engine_decides_whether_its_lm_head_is_tied(tied, lm_head_is_embedding):
+    model = _engine_layout(tied, lm_head_is_embedding)
+    assert tied_output_embedding(model) is (model.lm_head if tied else None)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_tied_lm_head_is_counted_but_never_copied(state, monkeypatch, tied):
+    """Tied (``skip``): ``lm_head.weight`` is neither copied nor returned, only counted as received
+    and skipped; untied: it is copied like any pass-through tensor. Everything else is unchanged."""
+    sent = dict(state)
+    sent["lm_head.weight"] = sent["model.embed_tokens.weight"]  # one tensor under both names, as verl sends it
+    skip = TIED_LM_HEAD_NAMES if tied else frozenset()
+    stream = WeightStreamQuantizer(RolloutSettings(format="int8"), skip=skip)
+    copied = []
+    original = stream.pass_through
+    monkeypatch.setattr(stream, "pass_through", lambda name, t: copied.append(name) or original(name, t))
+    out = dict(stream.transform(sent.items()))
+    assert ("lm_head.weight" in copied) is not tied and ("lm_head.weight" in out) is not tied
+    expected = dict(WeightStreamQuantizer(RolloutSettings(format="int8")).transform(sent.items()))
+    if tied:
+        del expected["lm_head.weight"]
+    assert out.keys() == expected.keys() and all(torch.equal(out[n], t) for n, t in expected.items())
+    assert stream.stats.tensors_in == len(sent) and stream.stats.skipped == (1 if tied else 0)
+    assert stream.stats.quantized + stream.stats.passed_through + stream.stats.skipped == len(sent)
+    assert stream.stats.bytes_in == sum(t.numel() * t.element_size() for t in sent.values())  # as received

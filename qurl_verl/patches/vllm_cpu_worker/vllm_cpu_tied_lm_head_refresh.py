@@ -11,11 +11,14 @@ layerwise reload post-processes a tied parameter for one parent layer only (docu
 2 in ``vllm/model_executor/model_loader/reload/__init__.py``): when the stream carries the weight
 under ``model.embed_tokens.weight`` only (as HF checkpoints store it), the embedding gets the new
 values and the lm_head keeps its stale prepacked copy. Nothing crashes; the logits silently come
-from the old weights. (verl's FSDP engine also streams ``lm_head.weight``; vLLM 0.32 then loads
-and re-processes the lm_head itself, and this refresh is a no-op.) Re-running the lm_head's
+from the old weights. verl's FSDP engine also streams ``lm_head.weight``, but the qurl_vllm
+stream drops it for a tied engine (``qurl_verl.rollout.weight_stream.tied_output_embedding``), so
+the lm_head is never reloaded on its own, on either vLLM version. Re-running the lm_head's
 post-processing after the reload rebuilds the copy from the updated shared weight (about 1 ms,
-idempotent). On CUDA that method does nothing. Where oneDNN has no bf16 matmul (AVX2 hosts), vLLM
-falls back to ``F.linear`` on the live weight and a bf16 engine is not affected; fp32 engines are.
+idempotent). Where the lm_head *is* the embedding module (vLLM 0.24's Qwen2), reloading the
+embedding already re-processes it and there is nothing to refresh. On CUDA that method does
+nothing. Where oneDNN has no bf16 matmul (AVX2 hosts), vLLM falls back to ``F.linear`` on the live
+weight and a bf16 engine is not affected; fp32 engines are.
 
 When vLLM fixes this upstream, ``tests/integration/test_vllm_cpu_reload_patches.py`` (which
 reloads without the refresh and expects stale log-probs) fails and this module can go.
@@ -24,15 +27,16 @@ from __future__ import annotations
 
 import torch
 
+from qurl_verl.rollout.weight_stream import tied_output_embedding
+
 TARGET_VERSIONS = ("0.32.0",)
 
 
 def tied_lm_head(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The lm_head module if it shares its weight with the input embedding, else None."""
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)  # Qwen2/Qwen3/Llama layout
-    weight = getattr(lm_head, "weight", None)
-    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
+    """The lm_head module if it is a layer of its own sharing the input embedding's weight, else None
+    (untied, or the embedding module itself)."""
+    lm_head = tied_output_embedding(model)
+    if lm_head is None or lm_head is model.model.embed_tokens:
         return None
     return lm_head
 
