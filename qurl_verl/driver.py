@@ -112,8 +112,7 @@ def check_model_path(cfg: Any, uaq: UaqSettings) -> None:
         if not (p / "config.json").exists():
             raise QurlConfigError(f"{MODEL_PATH_KEY}={text} has no config.json: point it at a Hugging Face model folder")
         return
-    looks_like_hub_id = not p.is_absolute() and text.count("/") == 1 and not text.startswith(".")
-    if not looks_like_hub_id:
+    if hub_id(text) is None:
         raise QurlConfigError(f"{MODEL_PATH_KEY}={text} does not exist")
     if os.environ.get("HF_HUB_OFFLINE") == "1" and not dry_run() and not hub_id_cached(text):
         raise QurlConfigError(
@@ -131,12 +130,46 @@ def hub_id_cached(repo_id: str) -> bool:
     return isinstance(found, str)
 
 
+def hub_id(model_path: Any) -> str | None:
+    """``model_path`` when it names a hub repository (``org/name``, not a local path or URL), else None."""
+    text = str(model_path or "")
+    p = Path(os.path.expanduser(text))
+    if not text or "://" in text or p.exists() or p.is_absolute() or text.startswith(".") or text.count("/") != 1:
+        return None
+    return text
+
+
 def hf_config_of(model_path: Any) -> dict | None:
-    """A local model folder's ``config.json``; None when it cannot be read here (hub id, URL, no file)."""
+    """The model's ``config.json``: read from a local folder, or for a hub id fetched alone (one small
+    file, from the cache with ``HF_HUB_OFFLINE=1``), so that a model qurl-verl refuses is refused
+    before UAQ or verl downloads its weights. None for a URL or a folder without one."""
     if not model_path:
         return None
-    cfg_file = Path(os.path.expanduser(str(model_path))) / "config.json"
-    return json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+    repo = hub_id(model_path)
+    if repo is None:
+        cfg_file = Path(os.path.expanduser(str(model_path))) / "config.json"
+        return json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+    found = fetch_hub_config(repo)
+    return json.loads(Path(found).read_text()) if found else None
+
+
+def fetch_hub_config(repo: str) -> str | None:
+    """Path of ``config.json`` of hub repository ``repo`` (downloaded alone, or found in the cache).
+    A run that cannot get it could not get the weights either, and stops here with the reason (the
+    hub client's own retries bound the wait: about 25 s when the hub cannot be reached). A dry run
+    downloads nothing: it reads the cache only, and goes on without the file."""
+    import huggingface_hub
+
+    if dry_run():
+        found = huggingface_hub.try_to_load_from_cache(repo, "config.json")
+        return found if isinstance(found, str) else None
+    try:
+        return huggingface_hub.hf_hub_download(repo, "config.json")
+    except Exception as e:  # noqa: BLE001 - offline, unknown id, no access: the user's to fix
+        raise QurlConfigError(
+            f"{MODEL_PATH_KEY}={repo}: cannot read its config.json from the hub to check the model "
+            f"({type(e).__name__}: {e}); download the checkpoint and pass its local folder"
+        ) from e
 
 
 def model_head_dim(model_dir: str | Path) -> int | None:
@@ -403,10 +436,10 @@ def local_checkpoint(path: str) -> Path:
     p = Path(os.path.expanduser(str(path)))
     if p.exists():
         return p
-    from huggingface_hub import snapshot_download
+    import huggingface_hub
 
     try:
-        return Path(snapshot_download(str(path), ignore_patterns=["*.bin", "*.pth", "*.pt", "*.gguf", "original/*"]))
+        return Path(huggingface_hub.snapshot_download(str(path), ignore_patterns=["*.bin", "*.pth", "*.pt", "*.gguf", "original/*"]))
     except Exception as e:  # noqa: BLE001 - offline, unknown id, no access: the user's to fix
         raise QurlConfigError(
             f"{UAQ_KEY}: cannot fetch {MODEL_PATH_KEY}={path} to convert it ({type(e).__name__}: {e}); "

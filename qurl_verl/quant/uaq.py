@@ -66,6 +66,11 @@ def _check_scale(scale: float) -> float:
     return scale
 
 
+def check_uaq_model_type(model_type: str | None) -> None:
+    """Raise ValueError for a ``model_type`` whose layer layout UAQ does not know (before any tensor is read)."""
+    _check_model_type(model_type)
+
+
 def _check_model_type(model_type: str | None) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(

@@ -17,7 +17,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .uaq import DEFAULT_UAQ_TARGETS, apply_uaq_to_state_dict
+from .uaq import DEFAULT_UAQ_TARGETS, apply_uaq_to_state_dict, check_uaq_model_type
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -41,6 +41,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, scale: float 
     if out_dir.exists() and (out_dir.resolve() == model_dir.resolve() or any(out_dir.iterdir())):
         raise ValueError(f"refusing to write into {out_dir}: it is the input folder or not empty")
     config = json.loads((model_dir / "config.json").read_text())
+    check_uaq_model_type(config.get("model_type"))  # before a single tensor of a (possibly 60 GB) checkpoint is read
     files = _weight_files(model_dir)
     state_dict, file_of, metadata = {}, {}, {}
     for fname in files:

@@ -1,0 +1,92 @@
+"""A hub id is checked from its config.json alone: a model qurl-verl refuses is refused before any
+weight is downloaded (a Qwen3-30B-A3B checkpoint is ~61 GB), and UAQ reads no tensor of one."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qurl_recipes.compose import compose_ppo_config
+from qurl_verl import driver
+from qurl_verl.settings import DRY_RUN_ENV, QurlConfigError
+
+MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+              "num_attention_heads": 32, "num_hidden_layers": 48, "vocab_size": 151936}
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A stand-in hub client: serves one config.json per repo, records every file asked for, and
+    fails any whole-checkpoint download."""
+    import huggingface_hub
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    asked: list[tuple[str, str]] = []
+    configs: dict[str, dict] = {}
+
+    def hf_hub_download(repo_id, filename, **kwargs):
+        asked.append((repo_id, filename))
+        if repo_id not in configs:
+            raise OSError(f"{repo_id} is not on this hub")
+        path = tmp_path / repo_id.replace("/", "--") / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(configs[repo_id]))
+        return str(path)
+
+    def snapshot_download(*args, **kwargs):
+        raise AssertionError("the whole checkpoint was about to be downloaded")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return configs, asked
+
+
+@pytest.mark.parametrize("preset", ["int8", "tis_int8"])
+def test_a_moe_hub_id_is_refused_from_its_config_alone(hub, preset):
+    configs, asked = hub
+    configs["Qwen/Qwen3-30B-A3B"] = MOE_CONFIG
+    cfg = compose_ppo_config([f"+qurl={preset}", "actor_rollout_ref.model.path=Qwen/Qwen3-30B-A3B"])
+    with pytest.raises(QurlConfigError, match=r"does not know how to quantize Qwen/Qwen3-30B-A3B .*Qwen3MoeForCausalLM"):
+        driver.on_validate_config(cfg, log=lambda *_: None)
+    assert set(asked) == {("Qwen/Qwen3-30B-A3B", "config.json")}
+
+
+def test_an_unreadable_hub_config_stops_the_run_with_the_fix(hub):
+    cfg = compose_ppo_config(["+qurl=int8", "actor_rollout_ref.model.path=org/private-model"])
+    with pytest.raises(QurlConfigError, match="cannot read its config.json from the hub .*pass its local folder"):
+        driver.on_validate_config(cfg, log=lambda *_: None)
+
+
+def test_a_dry_run_downloads_nothing(hub, monkeypatch):
+    """The recipes' offline config checks read the local cache only, and go on without the file."""
+    configs, asked = hub
+    configs["Qwen/Qwen3-30B-A3B"] = MOE_CONFIG
+    monkeypatch.setenv(DRY_RUN_ENV, "1")
+    assert driver.dry_run()
+    assert driver.hf_config_of("Qwen/Qwen3-30B-A3B") is None
+    assert asked == []
+
+
+@pytest.mark.parametrize("path,expected", [
+    ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-0.5B"), ("./Qwen/x", None), ("/abs/org/name", None), ("hdfs://a/b", None),
+    ("one-part", None), ("a/b/c", None),
+])
+def test_what_counts_as_a_hub_id(path, expected):
+    assert driver.hub_id(path) == expected
+
+
+def test_uaq_convert_refuses_an_unknown_layout_before_reading_a_tensor(tmp_path, monkeypatch):
+    from qurl_verl.quant import uaq_convert
+
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(MOE_CONFIG))
+    (model / "model.safetensors").write_bytes(b"")
+
+    def safe_open(*args, **kwargs):
+        raise AssertionError("a tensor was about to be read")
+
+    monkeypatch.setattr(uaq_convert, "safe_open", safe_open)
+    with pytest.raises(ValueError, match="model_type 'qwen3_moe'"):
+        uaq_convert.convert_checkpoint(model, tmp_path / "out")
