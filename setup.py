@@ -19,7 +19,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["qurl_verl", "qurl_verl.*"]) + ["hydra_plugins.qurl_verl_searchpath"],
     # the AVX2 INT8 GEMM is compiled from source on first use (qurl_verl/platform/cpu_int8_gemm.py)
-    package_data={"qurl_verl.hydra_configs": ["qurl/*.yaml"], "qurl_verl.platform": ["*.cpp"]},
+    package_data={"qurl_verl.hydra_configs": ["qurl/*.yaml", "qurl_recipe/*.yaml"], "qurl_verl.platform": ["*.cpp"]},
     install_requires=["verl==0.9.1", "torch>=2.6"],
     extras_require={
         # GPU users: verl's own [vllm] extra, i.e. the versions verl 0.9.1 declares (CUDA vLLM 0.24.0,

@@ -1,15 +1,25 @@
-"""Check the GPU recipes on any machine: compose each recipe's `main_ppo` config and run the driver's checks.
+"""Check the recipes on any machine, and write their data: compose `main_ppo`'s config the way a
+user types it (`+qurl_recipe=<recipe> +qurl=<preset> [overrides]`) and run the driver's checks.
 
     python -m qurl_recipes.recipes_check                              # every recipe x every preset
     python -m qurl_recipes.recipes_check --recipe dapo_32b --preset fp8
-    python -m qurl_recipes.recipes_check --overrides -- <Hydra overrides>   # what `run.sh --dry-run` runs
+    python -m qurl_recipes.recipes_check --dry-run -- <Hydra overrides>       # what `run.sh --dry-run` runs
+    python -m qurl_recipes.recipes_check --write-data -- <Hydra overrides>    # what `run.sh` runs before main_ppo
 
-For each recipe and preset, the overrides come from the recipe's own `run.sh` (its
-`--print-overrides` mode), so what is checked is what would run. The config is composed from
-verl's `ppo_trainer` as `main_ppo` composes it, then goes through what `main_ppo`'s driver runs
-before Ray starts: verl's `validate_config` with qurl-verl's checks first. `QURL_DRY_RUN=1` is set
-meanwhile: a hub model id is accepted without being fetched and the UAQ conversion only says what
-it would do. The data files named in the config must exist.
+For each recipe with a `recipes/<recipe>/run.sh`, the command line is that script's own
+(`--print-overrides`), so what is checked is what would run: `+qurl_recipe=<recipe>`, the preset,
+and the preset's keys the recipe needs on the command line (`qurl.uaq.enable=false` for gsm8k_ppo,
+a UAQ cache folder for dapo). A recipe without a script (tiny_cpu, whose run.sh is the CPU demo)
+is checked as `+qurl_recipe=<recipe> +qurl=<preset>`.
+
+The config is composed from verl's `ppo_trainer` as `main_ppo` composes it, then goes through what
+`main_ppo`'s driver runs before Ray starts: verl's `validate_config` with qurl-verl's checks first.
+`QURL_DRY_RUN=1` is set meanwhile: a hub model id is accepted without being fetched and the UAQ
+conversion only says what it would do. A critic is the exception: verl's check builds its model
+config, which reads the checkpoint's config and tokenizer (a few MB, no weights; from the Hugging
+Face cache with HF_HUB_OFFLINE=1). The data files named in the config must exist;
+`--write-data` writes the recipe's data there first (once; `--source hub` for the full sets where
+the recipe has them).
 """
 from __future__ import annotations
 
@@ -20,9 +30,8 @@ import os
 import subprocess
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -30,33 +39,39 @@ from qurl_verl.settings import DRY_RUN_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 STOCK_ROLLOUT = "none"  # PRESET=none: verl's own vLLM rollout, no qurl preset
+STOCK_ROLLOUT_OVERRIDE = "actor_rollout_ref.rollout.name=vllm"
+DATA_DIR_ENV = "QURL_DATA_DIR"  # read by every recipe's config: the folder holding each recipe's data
+SOURCE_RECORD = "written_from.txt"  # beside the parquet files: `shipped` or `hub`
+
+# recipe -> (script relative to the repository root, environment that selects the recipe in it)
+RECIPE_SCRIPTS: dict[str, tuple[str, dict[str, str]]] = {
+    "deepscaler": ("recipes/deepscaler/run.sh", {}),
+    "dapo": ("recipes/dapo/run.sh", {"SIZE": "7b"}),
+    "dapo_32b": ("recipes/dapo/run.sh", {"SIZE": "32b"}),
+    "gsm8k_ppo": ("recipes/gsm8k_ppo/run.sh", {}),
+}
 
 
 class RecipeCheckError(ValueError):
     """A recipe that would not start; the message says what to change."""
 
 
-@dataclass(frozen=True)
-class Recipe:
-    name: str
-    script: str  # relative to the repository root
-    data: str  # qurl_recipes.data.math_datasets recipe that writes its parquet files
-    env: dict[str, str] = field(default_factory=dict)
+def _configs_in(group: str) -> list[str]:
+    """The options of one of qurl-verl's Hydra config groups (files starting with `_` are shared parts)."""
+    from importlib.resources import files
 
-
-RECIPES: dict[str, Recipe] = {
-    "deepscaler": Recipe("deepscaler", "recipes/deepscaler/run.sh", "deepscaler"),
-    "dapo": Recipe("dapo", "recipes/dapo/run.sh", "dapo", {"SIZE": "7b"}),
-    "dapo_32b": Recipe("dapo_32b", "recipes/dapo/run.sh", "dapo", {"SIZE": "32b"}),
-}
+    folder = files("qurl_verl.hydra_configs") / group
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml") and not p.name.startswith("_"))
 
 
 def available_presets() -> list[str]:
-    """The `+qurl=<name>` presets shipped in qurl_verl.hydra_configs (files starting with `_` are shared parts)."""
-    from importlib.resources import files
+    """The `+qurl=<name>` presets shipped in qurl_verl.hydra_configs."""
+    return _configs_in("qurl")
 
-    folder = files("qurl_verl.hydra_configs") / "qurl"
-    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml") and not p.name.startswith("_"))
+
+def available_recipes() -> list[str]:
+    """The `+qurl_recipe=<name>` recipes shipped in qurl_verl.hydra_configs."""
+    return _configs_in("qurl_recipe")
 
 
 def check_preset(preset: str) -> None:
@@ -67,19 +82,28 @@ def check_preset(preset: str) -> None:
         )
 
 
-def recipe_overrides(recipe: str, preset: str, data_dir: str | Path | None = None,
-                     extra: Sequence[str] = (), env: dict[str, str] | None = None) -> list[str]:
-    """The Hydra overrides `recipes/<recipe>/run.sh` passes to main_ppo for this preset."""
-    if recipe not in RECIPES:
-        raise RecipeCheckError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+def check_recipe_name(recipe: str) -> None:
+    if recipe not in available_recipes():
+        raise RecipeCheckError(f"unknown recipe {recipe!r}; choose one of {', '.join(available_recipes())}")
+
+
+def preset_overrides(preset: str) -> list[str]:
+    """`+qurl=<preset>`, or for `none` verl's stock vLLM rollout (the name a preset would otherwise set)."""
     check_preset(preset)
-    spec = RECIPES[recipe]
-    script = REPO / spec.script
+    return [STOCK_ROLLOUT_OVERRIDE] if preset == STOCK_ROLLOUT else [f"+qurl={preset}"]
+
+
+def recipe_overrides(recipe: str, preset: str, extra: Sequence[str] = (), env: dict[str, str] | None = None) -> list[str]:
+    """The Hydra overrides that run `recipe` with `preset`: its run.sh's command line where it has one."""
+    check_recipe_name(recipe)
+    check_preset(preset)
+    if recipe not in RECIPE_SCRIPTS:
+        return [f"+qurl_recipe={recipe}", *preset_overrides(preset), *extra]
+    script_path, script_env = RECIPE_SCRIPTS[recipe]
+    script = REPO / script_path
     if not script.is_file():
-        raise RecipeCheckError(f"{script} is missing: the recipes live in the qurl-verl repository, not in the installed package")
-    run_env = {**os.environ, **spec.env, **(env or {}), "PRESET": preset}
-    if data_dir is not None:
-        run_env["DATA_DIR"] = str(data_dir)
+        raise RecipeCheckError(f"{script} is missing: the recipe scripts live in the qurl-verl repository, not in the installed package")
+    run_env = {**os.environ, **script_env, **(env or {}), "PRESET": preset}
     p = subprocess.run(["bash", str(script), "--print-overrides", *extra], env=run_env, capture_output=True, timeout=60)
     if p.returncode != 0:
         raise RecipeCheckError(p.stderr.decode().strip() or f"{script} --print-overrides failed with exit code {p.returncode}")
@@ -87,29 +111,24 @@ def recipe_overrides(recipe: str, preset: str, data_dir: str | Path | None = Non
 
 
 @contextlib.contextmanager
-def dry_run_env() -> Iterator[None]:
-    old = os.environ.get(DRY_RUN_ENV)
-    os.environ[DRY_RUN_ENV] = "1"
+def environment(name: str, value: str | None) -> Iterator[None]:
+    """Set (or, with None, leave) one environment variable for the duration of the block."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(DRY_RUN_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[DRY_RUN_ENV] = old
+            os.environ[name] = old
 
 
-def check_data_files(cfg: DictConfig) -> None:
-    for key in ("data.train_files", "data.val_files"):
-        value = OmegaConf.select(cfg, key)
-        paths = list(value) if isinstance(value, (ListConfig, list, tuple)) else [value]
-        for path in paths:
-            if path is None or not Path(os.path.expanduser(str(path))).is_file():
-                raise RecipeCheckError(
-                    f"{key}={path}: no such file. The recipes write their data before starting "
-                    "(`python -m qurl_recipes.data.math_datasets --recipe deepscaler|dapo --out <dir>`); "
-                    "point DATA_DIR or the override at that folder."
-                )
+def dry_run_env() -> contextlib.AbstractContextManager:
+    return environment(DRY_RUN_ENV, "1")
 
 
 def _preset_of(overrides: Sequence[str]) -> str | None:
@@ -119,20 +138,149 @@ def _preset_of(overrides: Sequence[str]) -> str | None:
     return None
 
 
-def check_overrides(overrides: Sequence[str]) -> DictConfig:
-    """Compose main_ppo's config from `overrides` and run its driver-side checks in dry-run mode."""
-    from qurl_recipes.compose import compose_ppo_config, validate_like_main_ppo
+def compose_recipe(overrides: Sequence[str]) -> DictConfig:
+    """main_ppo's config for `overrides`, refusing an unknown preset and a recipe Hydra did not find."""
+    from qurl_recipes.compose import compose_ppo_config
 
     preset = _preset_of(overrides)
     if preset is not None:
         check_preset(preset)
+    cfg = compose_ppo_config(overrides)
+    recipe = cfg.get("qurl_recipe")
+    if isinstance(recipe, str):
+        raise RecipeCheckError(
+            f"`+qurl_recipe={recipe}` was taken as a plain value, not a recipe: Hydra cannot see qurl-verl's "
+            "config groups. Reinstall qurl-verl (it ships the hydra_plugins search-path plugin) or add "
+            "'hydra.searchpath=[pkg://qurl_verl.hydra_configs]' to the command."
+        )
+    return cfg
+
+
+def recipe_name(cfg: DictConfig) -> str | None:
+    """The `+qurl_recipe=<name>` the config was composed with (None without one)."""
+    return OmegaConf.select(cfg, "qurl_recipe.name")
+
+
+# ---------------------------------------------------------------- recipe data
+
+def _write_math(recipe: str) -> Callable[[DictConfig, Path, str], None]:
+    def write(cfg: DictConfig, folder: Path, source: str) -> None:
+        from qurl_recipes.data.math_datasets import write_recipe_data
+
+        write_recipe_data(recipe, folder, source)
+    return write
+
+
+def _write_gsm8k(cfg: DictConfig, folder: Path, source: str) -> None:
+    from qurl_recipes.data.gsm8k import write_gsm8k_data
+
+    if source != "shipped":
+        raise RecipeCheckError("gsm8k_ppo has no hub source: data/gsm8k/ ships the complete GSM8K train and test sets")
+    write_gsm8k_data(folder)
+
+
+def _write_tiny(cfg: DictConfig, folder: Path, source: str) -> None:
+    """The arithmetic task's data and, when model.path is the recipe's own `<data folder>/model`, the tiny model."""
+    from qurl_recipes.data.arithmetic import write_parquet
+    from qurl_recipes.tiny_model import build_tiny_model
+
+    if source != "shipped":
+        raise RecipeCheckError("tiny_cpu builds its data; it has no hub source")
+    write_parquet(folder)
+    model = Path(os.path.expanduser(str(OmegaConf.select(cfg, "actor_rollout_ref.model.path"))))
+    if model == folder / "model" and not (model / "config.json").is_file():
+        build_tiny_model(model)
+
+
+# recipe -> writer(config, folder for train.parquet / val.parquet, source)
+DATA_WRITERS: dict[str, Callable[[DictConfig, Path, str], None]] = {
+    "deepscaler": _write_math("deepscaler"),
+    "dapo": _write_math("dapo"),
+    "dapo_32b": _write_math("dapo"),
+    "gsm8k_ppo": _write_gsm8k,
+    "tiny_cpu": _write_tiny,
+}
+
+
+def data_folder(cfg: DictConfig) -> Path:
+    """The folder of `data.train_files` / `data.val_files`, which the recipes write as train.parquet / val.parquet."""
+    train, val = (Path(os.path.expanduser(str(OmegaConf.select(cfg, k)))) for k in ("data.train_files", "data.val_files"))
+    if (train.name, val.name) != ("train.parquet", "val.parquet") or train.parent != val.parent:
+        raise RecipeCheckError(
+            f"data.train_files={train}, data.val_files={val}: the recipe's data is written as train.parquet and "
+            "val.parquet in one folder; point both there, or write your own files and skip --write-data"
+        )
+    return train.parent
+
+
+def write_data(cfg: DictConfig, source: str = "shipped") -> Path | None:
+    """Write the recipe's data where the config reads it, unless it is there; None for a config without a recipe."""
+    recipe = recipe_name(cfg)
+    if recipe is None:
+        return None
+    folder = data_folder(cfg)
+    record = folder / SOURCE_RECORD
+    if (folder / "train.parquet").is_file() and (folder / "val.parquet").is_file():
+        written_from = record.read_text().strip() if record.is_file() else source
+        if written_from != source:
+            raise RecipeCheckError(
+                f"{folder} holds the {written_from} data, not the {source} data; point {DATA_DIR_ENV} at another "
+                "folder for it (or delete that one)"
+            )
+        return folder
+    DATA_WRITERS[recipe](cfg, folder, source)
+    record.write_text(source + "\n")
+    return folder
+
+
+# ---------------------------------------------------------------- checks
+
+def check_data_files(cfg: DictConfig) -> None:
+    for key in ("data.train_files", "data.val_files"):
+        value = OmegaConf.select(cfg, key)
+        paths = list(value) if isinstance(value, (ListConfig, list, tuple)) else [value]
+        for path in paths:
+            if path is None or not Path(os.path.expanduser(str(path))).is_file():
+                raise RecipeCheckError(
+                    f"{key}={path}: no such file. The recipes write their data before starting "
+                    "(`python -m qurl_recipes.recipes_check --write-data -- +qurl_recipe=<recipe>`, as run.sh does); "
+                    f"set {DATA_DIR_ENV} or the override to the folder holding it."
+                )
+
+
+def check_critic_model_readable(cfg: DictConfig) -> None:
+    """verl validates a critic by building its model config, which loads the checkpoint's config and
+    tokenizer: with HF_HUB_OFFLINE=1 a hub id must be in the Hugging Face cache (no weights are read)."""
+    from verl.trainer.ppo.utils import need_critic
+
+    from qurl_verl.driver import hub_id, hub_id_cached
+
+    path = OmegaConf.select(cfg, "critic.model.path")
+    repo = hub_id(path) if need_critic(cfg) else None
+    if repo is not None and os.environ.get("HF_HUB_OFFLINE") == "1" and not hub_id_cached(repo):
+        raise RecipeCheckError(
+            f"critic.model.path={repo}: verl's config check loads the critic's config.json and tokenizer, which are "
+            "not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids fetching them; download them first "
+            f"(`huggingface-cli download {repo} --exclude '*.safetensors'`) or set MODEL_PATH to a local copy"
+        )
+
+
+def check_config(cfg: DictConfig) -> DictConfig:
+    """Run main_ppo's driver-side checks on a composed config, in dry-run mode."""
+    from qurl_recipes.compose import validate_like_main_ppo
+
     with dry_run_env(), warnings.catch_warnings():
         # expected for GRPO/DAPO (no critic); verl warns about it on every validation
         warnings.filterwarnings("ignore", message="Disabled critic as algorithm.adv_estimator")
-        cfg = compose_ppo_config(overrides)
         check_data_files(cfg)
+        check_critic_model_readable(cfg)
         validate_like_main_ppo(cfg)
     return cfg
+
+
+def check_overrides(overrides: Sequence[str]) -> DictConfig:
+    """Compose main_ppo's config from `overrides` and run its driver-side checks in dry-run mode."""
+    return check_config(compose_recipe(overrides))
 
 
 def describe(cfg: DictConfig) -> str:
@@ -143,53 +291,58 @@ def describe(cfg: DictConfig) -> str:
         f"model={sel('actor_rollout_ref.model.path')} rollout={sel('actor_rollout_ref.rollout.name')}"
         f"/{sel('actor_rollout_ref.rollout.quantization') or 'unquantized'} "
         f"loss={sel('actor_rollout_ref.actor.policy_loss.loss_mode')} uaq={'on' if uaq else 'off'} "
-        f"n={sel('actor_rollout_ref.rollout.n')} batch={sel('data.train_batch_size')} "
+        f"adv={sel('algorithm.adv_estimator')} n={sel('actor_rollout_ref.rollout.n')} batch={sel('data.train_batch_size')} "
         f"response={sel('data.max_response_length')} gpus={sel('trainer.nnodes')}x{sel('trainer.n_gpus_per_node')}"
     )
 
 
-def ensure_data(data: str, data_root: Path) -> Path:
-    """The parquet folder run.sh would use for shipped data, written here when absent."""
-    from qurl_recipes.data.math_datasets import write_recipe_data
-
-    folder = data_root / f"{data}-shipped"
-    if not ((folder / "train.parquet").is_file() and (folder / "val.parquet").is_file()):
-        write_recipe_data(data, folder)
-    return folder
-
-
 def check_recipe(recipe: str, preset: str, data_root: str | Path | None = None) -> DictConfig:
-    """Check one recipe with one preset, writing its shipped data under `data_root` if needed."""
-    root = Path(data_root) if data_root is not None else REPO / "outputs" / "data"
-    data_dir = ensure_data(RECIPES[recipe].data, root) if recipe in RECIPES else None
-    return check_overrides(recipe_overrides(recipe, preset, data_dir))
+    """Check one recipe with one preset, writing its shipped data first where missing.
+
+    `data_root` stands for QURL_DATA_DIR (default: the variable as set, else the recipes' own default).
+    """
+    with environment(DATA_DIR_ENV, None if data_root is None else str(data_root)):
+        cfg = compose_recipe(recipe_overrides(recipe, preset))
+        write_data(cfg)
+        return check_config(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     overrides = None
-    if "--overrides" in argv:
-        i = argv.index("--overrides")
-        overrides = argv[i + 1:]
-        if overrides[:1] == ["--"]:
-            overrides = overrides[1:]
-        argv = argv[:i]
-    ap = argparse.ArgumentParser(description="Compose and validate the GPU recipes (no GPU, no download).")
-    ap.add_argument("--recipe", action="append", choices=sorted(RECIPES), help="default: all")
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1:]
+    ap = argparse.ArgumentParser(description="Compose and validate the recipes (no GPU, no download); write their data.")
+    ap.add_argument("--recipe", action="append", choices=available_recipes(), help="default: all")
     ap.add_argument("--preset", action="append", help=f"default: all presets and {STOCK_ROLLOUT}")
-    ap.add_argument("--data-root", help="where shipped data is written (default outputs/data, as run.sh)")
+    ap.add_argument("--data-root", help=f"the recipes' data folder (default: ${DATA_DIR_ENV}, else ~/data/qurl)")
+    ap.add_argument("--dry-run", action="store_true", help="with `-- <overrides>`: compose and run the driver's checks")
+    ap.add_argument("--write-data", action="store_true", help="with `-- <overrides>`: write the recipe's data where the config reads it")
+    ap.add_argument("--source", choices=["shipped", "hub"], default="shipped",
+                    help="--write-data: the repository's data/ files (default) or the full sets from the hub")
     a = ap.parse_args(argv)
 
     if overrides is not None:
+        if not (a.dry_run or a.write_data):
+            ap.error("`-- <overrides>` needs --dry-run, --write-data or both")
         try:
-            cfg = check_overrides(overrides)
+            with environment(DATA_DIR_ENV, a.data_root):
+                cfg = compose_recipe(overrides)
+                if a.write_data:
+                    folder = write_data(cfg, a.source)
+                    if folder is not None:
+                        print(f"{recipe_name(cfg)} data ({a.source}): {folder}")
+                if a.dry_run:
+                    check_config(cfg)
         except Exception as e:  # noqa: BLE001 - the user sees why the run would not start
-            print(f"dry run FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+            print(f"{'dry run' if a.dry_run else 'data'} FAILED: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
-        print(f"dry run ok: {describe(cfg)}")
+        if a.dry_run:
+            print(f"dry run ok: {describe(cfg)}")
         return 0
 
-    recipes = a.recipe or list(RECIPES)
+    recipes = a.recipe or available_recipes()
     presets = a.preset or [*available_presets(), STOCK_ROLLOUT]
     failed = 0
     for recipe in recipes:

@@ -1,6 +1,6 @@
-# Sourced by the recipes' run.sh (after `root` is set, with the script's "$@"): reads the first
-# argument (--dry-run | --print-overrides) into `mode` and PRESET into `preset` / `preset_args`,
-# refusing an unknown preset with the list of known ones.
+# Sourced by the GPU recipes' run.sh (after `root` and `py` are set, with the script's "$@"): reads
+# the first argument (--dry-run | --print-overrides) into `mode`, the rest into `recipe_args`, and
+# PRESET into `preset` / `preset_args`, refusing an unknown preset with the list of known ones.
 mode=run
 case "${1:-}" in
   --dry-run) mode=dry; shift ;;
@@ -15,3 +15,16 @@ if [[ "$preset" != none && ! -f "$root/qurl_verl/hydra_configs/qurl/$preset.yaml
   exit 2
 fi
 if [[ "$preset" == none ]]; then preset_args=(actor_rollout_ref.rollout.name=vllm); else preset_args=("+qurl=$preset"); fi
+
+# run_recipe OVERRIDES...: the recipe's main_ppo command line, by mode. print: the overrides,
+# NUL-separated (what qurl_recipes.recipes_check checks); otherwise the recipe's data is written
+# first where the composed config reads it (DATA=shipped|hub, once), then dry: the driver's checks
+# with no GPU and no download; run: verl's main_ppo.
+run_recipe() {
+  if [[ "$mode" == print ]]; then printf '%s\0' "$@"; exit 0; fi
+  local steps=(--write-data --source "${DATA:-shipped}")
+  if [[ "$mode" == dry ]]; then steps+=(--dry-run); fi
+  "$py" -m qurl_recipes.recipes_check "${steps[@]}" -- "$@"
+  if [[ "$mode" == dry ]]; then exit 0; fi
+  exec "$py" -m verl.trainer.main_ppo "$@"
+}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on the embedded tiny model and the synthetic arithmetic task, on CPU, through verl's own
-# `python -m verl.trainer.main_ppo`. Extra arguments are passed to main_ppo as Hydra overrides,
-# e.g. `recipes/tiny_cpu/run.sh trainer.total_training_steps=5`.
+# `python -m verl.trainer.main_ppo +qurl_recipe=tiny_cpu`. Extra arguments are passed to main_ppo
+# as Hydra overrides, e.g. `recipes/tiny_cpu/run.sh trainer.total_training_steps=5`.
 #
 # Environment: OUT (default outputs/tiny_cpu) holds the model, data and metrics; STEPS (default 3);
 # PRESET (default int8: INT8 rollout + ACR + UAQ) picks `+qurl=<preset>` (bf16, naive_int8,
@@ -45,48 +45,16 @@ export RAY_DEDUP_LOGS=0
 export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 
 start=$(date +%s)
+# The recipe is the Hydra config `+qurl_recipe=tiny_cpu` (qurl_verl/hydra_configs/qurl_recipe/
+# tiny_cpu.yaml); what changes from run to run (model, data, task, steps) is given here.
 "$py" -m verl.trainer.main_ppo \
+  +qurl_recipe=tiny_cpu \
   "${preset_arg[@]}" \
-  algorithm.adv_estimator=grpo \
   data.train_files="$data/train.parquet" \
   data.val_files="$data/val.parquet" \
-  data.train_batch_size=4 \
-  data.max_prompt_length=64 \
   data.max_response_length="$max_response_length" \
-  data.dataloader_num_workers=0 \
   actor_rollout_ref.model.path="$model" \
-  actor_rollout_ref.model.use_remove_padding=false \
-  +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
-  actor_rollout_ref.actor.strategy=fsdp2 \
-  actor_rollout_ref.ref.strategy=fsdp2 \
-  actor_rollout_ref.actor.optim.lr=1e-3 \
-  actor_rollout_ref.actor.ppo_mini_batch_size=4 \
-  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
-  actor_rollout_ref.actor.use_kl_loss=false \
-  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8 \
-  actor_rollout_ref.rollout.n=4 \
-  actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
-  +actor_rollout_ref.rollout.enable_sleep_mode=false \
-  actor_rollout_ref.rollout.enforce_eager=true \
-  actor_rollout_ref.rollout.max_num_batched_tokens=1024 \
-  actor_rollout_ref.rollout.agent.num_workers=1 \
-  algorithm.use_kl_in_reward=false \
-  reward.num_workers=1 \
   reward.custom_reward_function.path="pkg://qurl_recipes.rewards.$task" \
-  reward.custom_reward_function.name=compute_score \
-  transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
-  ray_kwargs.ray_init.num_cpus=16 \
-  +ray_kwargs.ray_init.num_gpus=1 \
-  +ray_kwargs.ray_init.include_dashboard=false \
-  trainer.device=cpu \
-  trainer.n_gpus_per_node=1 \
-  trainer.nnodes=1 \
-  trainer.val_before_train=false \
-  trainer.test_freq=-1 \
-  trainer.save_freq=-1 \
   trainer.total_training_steps="$steps" \
-  trainer.logger='[console,file]' \
-  trainer.project_name=qurl_tiny_cpu \
-  trainer.experiment_name=demo \
   "$@"
 "$py" -m qurl_recipes.run_summary "$metrics" --wall-s $(( $(date +%s) - start ))

@@ -1,5 +1,5 @@
-"""Every GPU recipe x preset composes into verl's config and passes main_ppo's driver checks, with no GPU
-and no download; bad presets, data paths and model paths fail with a message that says what to do."""
+"""Every GPU recipe's run.sh x preset composes into verl's config and passes main_ppo's driver checks, with
+no GPU and no download; bad presets, data paths and model paths fail with a message that says what to do."""
 from __future__ import annotations
 
 import json
@@ -21,22 +21,33 @@ EXPECTED = {  # preset -> (rollout.quantization, loss_mode, UAQ)
     "int8": ("int8", "qurl_acr", True),
     "fp8": ("fp8", "qurl_acr", True),
 }
-# the two recipes with every preset; the 32B size of the DAPO recipe with the default preset
-MATRIX = [(r, p) for r in ("deepscaler", "dapo") for p in PRESETS] + [("dapo_32b", "int8")]
+# three recipes with every preset; the 32B size of the DAPO recipe with the default preset
+MATRIX = [(r, p) for r in ("deepscaler", "dapo", "gsm8k_ppo") for p in PRESETS] + [("dapo_32b", "int8")]
 
 
 @pytest.fixture(scope="module")
 def data_root(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
-    for recipe in ("deepscaler", "dapo"):
-        md.write_recipe_data(recipe, root / f"{recipe}-shipped")
+    for recipe, folder in (("deepscaler", "deepscaler"), ("dapo", "dapo")):
+        md.write_recipe_data(recipe, root / folder)
     return root
 
 
+@pytest.fixture(scope="module")
+def local_qwen2(tmp_path_factory):
+    """A local Qwen2 checkpoint folder: verl's check of a critic reads its model's config and tokenizer."""
+    from qurl_recipes.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "qwen2")
+
+
 @pytest.fixture(autouse=True)
-def offline(monkeypatch):
+def offline(monkeypatch, data_root):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a dry run must not need the hub, even to look
     monkeypatch.delenv(qs.DRY_RUN_ENV, raising=False)
+    for name in ("MODEL_PATH", "NNODES", "NGPUS_PER_NODE", "QURL_OUTPUT_DIR", "UAQ_CACHE_DIR", "SIZE", "DATA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(rc.DATA_DIR_ENV, str(data_root))
 
 
 def test_shipped_presets_are_the_ones_checked():
@@ -44,11 +55,24 @@ def test_shipped_presets_are_the_ones_checked():
 
 
 @pytest.mark.parametrize("recipe,preset", MATRIX)
-def test_recipe_with_preset_passes_driver_checks(recipe, preset, data_root):
+def test_recipe_with_preset_passes_driver_checks(recipe, preset, data_root, local_qwen2, monkeypatch):
+    if recipe == "gsm8k_ppo":
+        monkeypatch.setenv("MODEL_PATH", str(local_qwen2))
     cfg = rc.check_recipe(recipe, preset, data_root)
     quant, loss, uaq = EXPECTED[preset]
+    if recipe == "gsm8k_ppo":
+        uaq = False  # the paper's setting: its run.sh turns the preset's UAQ off
     rollout, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
     assert (rollout.name, rollout.quantization, actor.policy_loss.loss_mode, bool(cfg.qurl.uaq.enable)) == ("qurl_vllm", quant, loss, uaq)
+    if recipe == "gsm8k_ppo":
+        assert cfg.actor_rollout_ref.model.path == cfg.critic.model.path == str(local_qwen2)
+        assert (cfg.algorithm.adv_estimator, actor.optim.lr, cfg.critic.optim.lr) == ("gae", 1e-5, 1e-5)
+        assert (rollout.n, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (1, 256, 64)
+        assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (512, 512)
+        assert (rollout.val_kwargs.n, rollout.val_kwargs.do_sample) == (1, False)
+        assert cfg.data.train_files == str(data_root / "gsm8k" / "train.parquet")
+        assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 1
+        return
     assert actor.optim.lr == 1e-6
     assert not cfg.actor_rollout_ref.model.path.startswith("/")  # the hub id, not converted in a dry run
     if recipe == "deepscaler":
@@ -74,17 +98,40 @@ def test_recipe_with_preset_passes_driver_checks(recipe, preset, data_root):
         assert rollout.val_kwargs.n == 32
 
 
-def test_stock_rollout_and_extra_overrides(data_root):
-    cfg = rc.check_overrides(rc.recipe_overrides("deepscaler", "none", data_root / "deepscaler-shipped",
-                                                 extra=["actor_rollout_ref.rollout.n=16"]))
+def test_run_sh_command_lines():
+    """The scripts pass the groups the way a user types them, plus the preset's keys a recipe needs."""
+    assert rc.recipe_overrides("deepscaler", "int8", extra=["trainer.total_epochs=1"]) == [
+        "+qurl_recipe=deepscaler", "+qurl=int8", "trainer.total_epochs=1"]
+    assert rc.recipe_overrides("deepscaler", "none") == ["+qurl_recipe=deepscaler", "actor_rollout_ref.rollout.name=vllm"]
+    assert rc.recipe_overrides("dapo_32b", "fp8") == ["+qurl_recipe=dapo_32b", "+qurl=fp8", f"++qurl.uaq.cache_dir={rc.REPO}/outputs/uaq-cache"]
+    assert rc.recipe_overrides("dapo", "bf16", env={"UAQ_CACHE_DIR": "/shared/uaq"})[2] == "++qurl.uaq.cache_dir=/shared/uaq"
+    assert rc.recipe_overrides("dapo", "none") == ["+qurl_recipe=dapo", "actor_rollout_ref.rollout.name=vllm"]
+    assert rc.recipe_overrides("gsm8k_ppo", "fp8") == ["+qurl_recipe=gsm8k_ppo", "+qurl=fp8", "qurl.uaq.enable=false"]
+    assert rc.recipe_overrides("tiny_cpu", "int8") == ["+qurl_recipe=tiny_cpu", "+qurl=int8"]  # no script: the groups alone
+
+
+def test_stock_rollout_and_extra_overrides():
+    cfg = rc.check_overrides(rc.recipe_overrides("deepscaler", "none", extra=["actor_rollout_ref.rollout.n=16"]))
     assert cfg.actor_rollout_ref.rollout.name == "vllm" and "qurl" not in cfg
     assert cfg.actor_rollout_ref.rollout.n == 16  # arguments after the recipe's own win
 
 
-def test_run_sh_dry_run_entry_point(data_root, capsys):
-    overrides = rc.recipe_overrides("dapo", "fp8", data_root / "dapo-shipped")
-    assert rc.main(["--overrides", "--", *overrides]) == 0
-    assert "dry run ok: model=Qwen/Qwen2.5-7B rollout=qurl_vllm/fp8 loss=qurl_acr uaq=on" in capsys.readouterr().out
+def test_run_sh_dry_run_entry_point(capsys):
+    overrides = rc.recipe_overrides("dapo", "fp8")
+    assert rc.main(["--dry-run", "--", *overrides]) == 0
+    assert "dry run ok: model=Qwen/Qwen2.5-7B rollout=qurl_vllm/fp8 loss=qurl_acr uaq=on adv=grpo" in capsys.readouterr().out
+
+
+def test_write_data_entry_point(tmp_path, capsys):
+    """What run.sh runs before main_ppo: the recipe's data, written once where the composed config reads it."""
+    overrides = rc.recipe_overrides("deepscaler", "bf16")
+    assert rc.main(["--write-data", "--data-root", str(tmp_path), "--", *overrides]) == 0
+    assert f"deepscaler data (shipped): {tmp_path / 'deepscaler'}" in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "deepscaler").iterdir()) == ["train.parquet", "val.parquet", rc.SOURCE_RECORD]
+    assert rc.main(["--write-data", "--dry-run", "--data-root", str(tmp_path), "--", *overrides]) == 0
+    assert "dry run ok: model=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B rollout=qurl_vllm/bf16" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        rc.main(["--", *overrides])  # neither --dry-run nor --write-data
 
 
 def test_unknown_preset_is_named_with_the_choices(data_root):
@@ -98,21 +145,21 @@ def test_unknown_preset_is_named_with_the_choices(data_root):
     assert p.returncode == 2 and "unknown SIZE=70b; choose 7b or 32b" in p.stderr
 
 
-def test_missing_data_file(tmp_path):
-    overrides = rc.recipe_overrides("deepscaler", "int8", tmp_path / "nowhere")
-    with pytest.raises(rc.RecipeCheckError, match=r"data.train_files=.*nowhere/train.parquet: no such file.*math_datasets"):
+def test_missing_data_file(tmp_path, monkeypatch):
+    monkeypatch.setenv(rc.DATA_DIR_ENV, str(tmp_path / "nowhere"))
+    overrides = rc.recipe_overrides("deepscaler", "int8")
+    with pytest.raises(rc.RecipeCheckError, match=r"data.train_files=.*nowhere/deepscaler/train.parquet: no such file.*--write-data"):
         rc.check_overrides(overrides)
 
 
-def test_unsupported_model_paths(data_root, tmp_path):
+def test_unsupported_model_paths(tmp_path):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
-    data = data_root / "deepscaler-shipped"
     with pytest.raises(qs.QurlConfigError, match=r"qurl_vllm does not know how to quantize .*GPT2LMHeadModel"):
-        rc.check_overrides(rc.recipe_overrides("deepscaler", "int8", data, extra=[f"actor_rollout_ref.model.path={gpt2}"]))
+        rc.check_overrides(rc.recipe_overrides("deepscaler", "int8", extra=[f"actor_rollout_ref.model.path={gpt2}"]))
     with pytest.raises(qs.QurlConfigError, match=r"model.path=/no/such/model does not exist"):
-        rc.check_overrides(rc.recipe_overrides("deepscaler", "bf16", data, extra=["actor_rollout_ref.model.path=/no/such/model"]))
+        rc.check_overrides(rc.recipe_overrides("deepscaler", "bf16", extra=["actor_rollout_ref.model.path=/no/such/model"]))
 
 
 def test_hub_id_check_relaxed_only_in_a_dry_run(monkeypatch):
