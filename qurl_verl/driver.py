@@ -217,7 +217,7 @@ def check_cpu_platform(cfg: Any) -> None:
     found = problems(cfg, CPU_REQUIRED)
     # keys verl's schema lacks must be added with '+'
     found = [("+" if _absent(cfg, line.split("=", 1)[0]) else "") + line for line in found]
-    raise_problems("VERL_PLATFORM=cpu needs these overrides (recipes/tiny_cpu/run.sh sets them all):", found)
+    raise_problems("VERL_PLATFORM=cpu needs these overrides (+qurl_recipe=tiny_cpu sets them all):", found)
 
 
 def check_weight_sync_bucket(cfg: Any) -> None:

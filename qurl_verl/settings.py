@@ -630,7 +630,7 @@ class UaqSettings:
 
 # ---------------------------------------------------------------------------------- CPU platform
 _BOOL_FALSE = (lambda v: v is False)
-# What verl needs to run on the CPU platform: key -> (value, why); recipes/tiny_cpu/run.sh sets all.
+# What verl needs to run on the CPU platform: key -> (value, why); the tiny_cpu recipe (+qurl_recipe=tiny_cpu) sets all.
 CPU_REQUIRED = (
     Requirement("actor_rollout_ref.actor.strategy", lambda v: v == "fsdp2", "fsdp2", "FSDP1 needs an accelerator device"),
     Requirement("actor_rollout_ref.ref.strategy", lambda v: v == "fsdp2", "fsdp2", "FSDP1 needs an accelerator device"),
