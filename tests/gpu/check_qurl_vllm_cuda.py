@@ -17,8 +17,9 @@ For each format:
    that step like an optimizer, through verl's ``BucketedWeightSender`` over CUDA IPC (the
    colocated path); after each sync it generates (greedy and seeded sampling, ``logprobs=0``,
    ``prompt_logprobs=0``);
-2. a fresh engine loads a compressed-tensors checkpoint written from the last step's masters by
-   ``qurl_verl.quant`` (the same codes the worker computes) and generates the same requests;
+2. a fresh engine loads the compressed-tensors checkpoint ``qurl_verl.quant.export_quantized``
+   writes from the last step's masters (the same codes the worker computes) and generates the
+   same requests;
 3. pass = same tokens and max |dlogprob| <= ``--atol`` (1e-6: same kernels, same weights, so the
    reload is expected to be bit-exact, as on CPU), and the live engine's output changed at every
    sync (the graphs replay the new weights, not the captured ones).
@@ -123,24 +124,20 @@ def compare(a, b) -> dict:
 
 
 def write_checkpoint(model_dir: Path, master: dict, settings, out: Path) -> Path:
-    """A compressed-tensors checkpoint of ``master``: what a fresh engine loads from disk."""
+    """``master`` saved as a plain checkpoint, then exported by ``qurl_verl.quant.export_quantized``:
+    the compressed-tensors checkpoint a fresh engine loads from disk."""
     from safetensors.torch import save_file
 
-    from qurl_verl.quant import quantize_state_dict
+    from qurl_verl.quant import export_quantized_checkpoint
 
-    shutil.copytree(model_dir, out)
-    for f in out.glob("*.safetensors"):
+    trained = out.with_name(out.name + "_trained")
+    shutil.copytree(model_dir, trained)
+    for f in trained.glob("*.safetensors*"):
         f.unlink()
-    named = ((n, t) for n, t in master.items() if n != "lm_head.weight")  # tied: stored once
-    tensors = {}
-    for name, t in quantize_state_dict(named, settings.quant_format, settings.format.granularity, ignore=settings.ignore_patterns):
-        eight_bit = t.dtype in (torch.int8, torch.float8_e4m3fn) or name.endswith("weight_scale")
-        tensors[name] = (t if eight_bit else t.to(torch.bfloat16)).contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = settings.quantization_config()
-    config["torch_dtype"] = "bfloat16"
-    (out / "config.json").write_text(json.dumps(config, indent=1))
+    tied = json.loads((trained / "config.json").read_text()).get("tie_word_embeddings", False)
+    named = {n: t.contiguous() for n, t in master.items() if not (tied and n == "lm_head.weight")}  # tied: stored once
+    save_file(named, str(trained / "model.safetensors"), metadata={"format": "pt"})
+    export_quantized_checkpoint(trained, out, settings.format.value, settings.ignore, settings.weight_bits)
     return out
 
 
