@@ -358,17 +358,8 @@ def _quiet_config_only_layers(model: torch.nn.Module):
 
     infos = [(type(m).__name__, layerwise.get_layerwise_info(m).restore_metadata) for m in model.modules()]
     with_params = {cls for cls, (params, _) in infos if params}
-    quiet = {cls for cls, (params, buffers) in infos if buffers and not params} - with_params
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in quiet)
-
-    log = logging.getLogger(layerwise.__name__)
-    log.addFilter(keep)
-    try:
+    with _without_load_warnings({cls for cls, (params, buffers) in infos if buffers and not params} - with_params):
         yield
-    finally:
-        log.removeFilter(keep)
 
 
 @contextmanager
@@ -377,15 +368,18 @@ def _quiet_skipped_lm_head(lm_head: torch.nn.Module | None):
     tied lm_head, whose weight the stream skips on purpose; vLLM then puts the shared Parameter back,
     the embedding's, already reloaded. Matched by class name, as vLLM logs it: any other layer of
     that class that got nothing has already failed ``_check_all_layers_loaded``."""
-    if lm_head is None:
+    with _without_load_warnings(set() if lm_head is None else {type(lm_head).__name__}):
         yield
-        return
+
+
+@contextmanager
+def _without_load_warnings(layer_classes: set[str]):
+    """Filter the reload's "<Layer>: Failed to load weights" warning for these layer classes, on its
+    own logger, for the duration of the block."""
     from vllm.model_executor.model_loader.reload import layerwise
 
-    name = type(lm_head).__name__
-
     def keep(record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] == name)
+        return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in layer_classes)
 
     log = logging.getLogger(layerwise.__name__)
     log.addFilter(keep)
