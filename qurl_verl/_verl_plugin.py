@@ -42,6 +42,7 @@ def _cpu_platform() -> str:
     from qurl_verl.patches.cpu_platform import (
         cpu_engine_lookup,
         gloo_backend_dedup,
+        value_model_attention,
         vllm_cpu_unquantized_gemm,
         weight_sync_ack_timeout,
     )
@@ -49,6 +50,9 @@ def _cpu_platform() -> str:
     applied = [name for name, did in (("gloo backend dedup", gloo_backend_dedup.apply()),
                                       ("engine lookup", cpu_engine_lookup.apply()),
                                       ("weight-sync ack timeout", weight_sync_ack_timeout.apply())) if did]
+    how = value_model_attention.apply()
+    if how:
+        applied.append(f"critic attention ({how})")
     # verl's stock vllm rollout needs its Linear weights kept loadable; qurl_vllm's workers
     # (marked by their server) re-pack them through the layerwise reload instead.
     if os.environ.get(LAYERWISE_RELOAD_WORKER_ENV) != "1":

@@ -37,6 +37,7 @@ from qurl_verl.settings import (
     check_architecture,
     check_cpu_rollout_format,
     check_flash_attn,
+    check_critic_flash_attn,
     check_fp8_hardware,
     check_weight_fits_bucket,
     cuda_available,
@@ -238,6 +239,16 @@ def check_gpu_attention(cfg: Any) -> None:
     if select(cfg, ACTOR_STRATEGY_KEY) not in FSDP_STRATEGIES or not cuda_available():
         return
     check_flash_attn(attn_implementation(cfg), flash_attn_installed())
+    check_critic_flash_attn(uses_critic(cfg), flash_attn_installed())
+
+
+def uses_critic(cfg: Any) -> bool:
+    """verl's own verdict (``need_critic``): ``critic.enable``, else whether the advantage needs values (GAE)."""
+    from verl.trainer.ppo.utils import need_critic
+
+    if select(cfg, "critic.enable") is None and select(cfg, "algorithm.adv_estimator") != "gae":
+        return False  # need_critic would warn about it
+    return need_critic(cfg)
 
 
 def _absent(cfg: Any, key: str) -> bool:

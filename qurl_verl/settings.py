@@ -411,6 +411,18 @@ def check_flash_attn(attn: str, installed: bool) -> None:
         )
 
 
+def check_critic_flash_attn(uses_critic: bool, installed: bool) -> None:
+    """Refuse a critic without the flash-attn package on a GPU: verl 0.9.1 loads the value model with
+    ``flash_attention_2`` whatever its ``override_config`` says (``verl/utils/model.py``,
+    ``load_valuehead_model``), and falls back to trl's value head, which the GPU install lacks."""
+    if uses_critic and not installed:
+        raise QurlConfigError(
+            "this run trains a critic (algorithm.adv_estimator=gae or critic.enable=true), and verl 0.9.1 loads the "
+            "critic with flash_attention_2 whatever critic.model.override_config says; the flash-attn package is not "
+            f"installed: `pip install {FLASH_ATTN_REQUIREMENT} --no-build-isolation` on every node"
+        )
+
+
 def check_actor_strategy(strategy: Any) -> None:
     """Refuse verl's Megatron actor as the source of the ``qurl_vllm`` weight stream."""
     if strategy == "megatron":

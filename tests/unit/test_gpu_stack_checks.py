@@ -216,3 +216,22 @@ def test_tensor_larger_than_the_bucket_is_refused():
         check_weight_fits_bucket(what, nbytes, None)  # verl's default, 2048
     check_weight_fits_bucket(what, nbytes, 2079)
     check_weight_fits_bucket(*largest_weight(QWEN25_7B, 2), 2048)  # bf16 masters: 1040 MiB
+
+
+@pytest.mark.parametrize("critic, installed, refused", [
+    (["algorithm.adv_estimator=gae"], False, True),
+    (["critic.enable=true"], False, True),
+    (["algorithm.adv_estimator=gae", "critic.enable=false"], False, False),
+    (["algorithm.adv_estimator=gae"], True, False),
+    ([], False, False),
+])
+def test_a_critic_on_a_gpu_needs_flash_attn_even_with_sdpa(monkeypatch, critic, installed, refused):
+    """verl 0.9.1 loads the value model with flash_attention_2 whatever its override_config says."""
+    monkeypatch.setattr(driver, "cuda_available", lambda: True)
+    stub_flash_attn(monkeypatch, installed)
+    cfg = compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8", SDPA, *critic])
+    if refused:
+        with pytest.raises(QurlConfigError, match=r"trains a critic .*pip install flash-attn==2\.8\.3"):
+            driver.check_config(cfg)
+    else:
+        driver.check_config(cfg)
