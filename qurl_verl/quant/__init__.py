@@ -10,7 +10,6 @@ from .compressed_tensors_format import (
     is_quantization_target,
     quantize_state_dict,
 )
-from .export_quantized import export_quantized_checkpoint
 from .formats import FP8_E4M3, INT8, QuantFormat, activation_format, int_format, resolve_format
 from .linear import W8A8Linear, quantize_linear_modules_
 from .matmul import fp8_scaled_matmul, int8_matmul_accumulate, w8a8_linear, w8a8_linear_reference
@@ -33,7 +32,6 @@ __all__ = [
     "apply_uaq",
     "apply_uaq_to_state_dict",
     "compressed_tensors_config",
-    "export_quantized_checkpoint",
     "fake_quantize",
     "fp8_scaled_matmul",
     "int8_matmul_accumulate",

@@ -17,7 +17,7 @@ For each format:
    that step like an optimizer, through verl's ``BucketedWeightSender`` over CUDA IPC (the
    colocated path); after each sync it generates (greedy and seeded sampling, ``logprobs=0``,
    ``prompt_logprobs=0``);
-2. a fresh engine loads the compressed-tensors checkpoint ``qurl_verl.quant.export_quantized``
+2. a fresh engine loads the compressed-tensors checkpoint ``qurl_verl.export_quantized``
    writes from the last step's masters (the same codes the worker computes) and generates the
    same requests;
 3. pass = same tokens and max |dlogprob| <= ``--atol`` (1e-6: same kernels, same weights, so the
@@ -124,11 +124,11 @@ def compare(a, b) -> dict:
 
 
 def write_checkpoint(model_dir: Path, master: dict, settings, out: Path) -> Path:
-    """``master`` saved as a plain checkpoint, then exported by ``qurl_verl.quant.export_quantized``:
+    """``master`` saved as a plain checkpoint, then exported by ``qurl_verl.export_quantized``:
     the compressed-tensors checkpoint a fresh engine loads from disk."""
     from safetensors.torch import save_file
 
-    from qurl_verl.quant import export_quantized_checkpoint
+    from qurl_verl.export_quantized import export_quantized_checkpoint
 
     trained = out.with_name(out.name + "_trained")
     shutil.copytree(model_dir, trained)

@@ -27,7 +27,7 @@ from vllm_reload_harness import (
     sync_weights,
 )
 
-from qurl_verl.quant import export_quantized_checkpoint
+from qurl_verl.export_quantized import export_quantized_checkpoint
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]

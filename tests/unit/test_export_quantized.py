@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qurl_verl.quant import export_quantized_checkpoint, quantize
+from qurl_verl.export_quantized import export_quantized_checkpoint
+from qurl_verl.quant import quantize
 from qurl_verl.settings import QurlConfigError, RolloutSettings
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -129,7 +130,7 @@ def test_refusals_happen_before_anything_is_written(tiny_checkpoint, tiny_causal
 
 
 def test_command_line(tiny_checkpoint, tmp_path, capsys):
-    from qurl_verl.quant.export_quantized import main
+    from qurl_verl.export_quantized import main
 
     assert main(["--model", str(tiny_checkpoint), "--out", str(tmp_path / "out"), "--format", "fp8",
                  "--ignore", "down_proj"]) == 0

@@ -1,4 +1,4 @@
-"""Write the W8A8 checkpoint the rollout ran: ``python -m qurl_verl.quant.export_quantized --model IN --out OUT``.
+"""Write the W8A8 checkpoint the rollout ran: ``python -m qurl_verl.export_quantized --model IN --out OUT``.
 
 Reads a trained HF checkpoint's safetensors files directly (no model instantiation, no hub
 access) and quantizes its targeted linears with the weight stream's own code path:
@@ -31,7 +31,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .compressed_tensors_format import quantize_state_dict
+from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
+from qurl_verl.settings import RolloutSettings, check_architecture
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,11 +50,8 @@ def _weight_files(model_dir: Path) -> tuple[list[str], dict | None]:
 
 
 def export_quantized_checkpoint(model_dir: str | Path, out_dir: str | Path, format: str = "int8",
-                     ignore: Iterable[str] = (), weight_bits: int = 8) -> dict:
+                                ignore: Iterable[str] = (), weight_bits: int = 8) -> dict:
     """Write ``model_dir`` quantized as the rollout quantizes it to ``out_dir``; returns the ``quantization_config``."""
-    # settings imports this package: imported here so either may be imported first
-    from qurl_verl.settings import RolloutSettings, check_architecture
-
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / "config.json").exists():
         raise ValueError(f"{model_dir} is not a HF checkpoint folder (no config.json)")
@@ -104,7 +102,7 @@ def export_quantized_checkpoint(model_dir: str | Path, out_dir: str | Path, form
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qurl_verl.quant.export_quantized",
+    parser = argparse.ArgumentParser(prog="python -m qurl_verl.export_quantized",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="input HF checkpoint folder (safetensors)")
     parser.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
