@@ -32,21 +32,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
+from qurl_verl.quant.uaq_convert import INDEX_FILE, weight_files
 from qurl_verl.settings import RolloutSettings, check_architecture
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 EXPORT_FORMATS = ("int8", "fp8", "fp8_block")
-
-
-def _weight_files(model_dir: Path) -> tuple[list[str], dict | None]:
-    if (model_dir / INDEX_FILE).exists():
-        index = json.loads((model_dir / INDEX_FILE).read_text())
-        return sorted(set(index["weight_map"].values())), index
-    if (model_dir / SINGLE_FILE).exists():
-        return [SINGLE_FILE], None
-    raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
-                     "only safetensors checkpoints are supported")
 
 
 def export_quantized_checkpoint(model_dir: str | Path, out_dir: str | Path, format: str = "int8",
@@ -65,7 +54,7 @@ def export_quantized_checkpoint(model_dir: str | Path, out_dir: str | Path, form
     check_architecture(config.get("architectures"), str(model_dir))
     if config.get("quantization_config"):
         raise ValueError(f"{model_dir} is already quantized (config.json has a quantization_config)")
-    files, index = _weight_files(model_dir)
+    files, index = weight_files(model_dir)
 
     quant_config = settings.quantization_config()
     fmt, granularity, patterns = settings.quant_format, settings.format.granularity, settings.ignore_patterns

@@ -23,12 +23,13 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _weight_files(model_dir: Path) -> list[str]:
+def weight_files(model_dir: Path) -> tuple[list[str], dict | None]:
+    """The checkpoint's safetensors shard names, and its shard index (None for a single file)."""
     if (model_dir / INDEX_FILE).exists():
         index = json.loads((model_dir / INDEX_FILE).read_text())
-        return sorted(set(index["weight_map"].values()))
+        return sorted(set(index["weight_map"].values())), index
     if (model_dir / SINGLE_FILE).exists():
-        return [SINGLE_FILE]
+        return [SINGLE_FILE], None
     raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are supported")
 
 
@@ -42,7 +43,7 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, scale: float 
         raise ValueError(f"refusing to write into {out_dir}: it is the input folder or not empty")
     config = json.loads((model_dir / "config.json").read_text())
     check_uaq_model_type(config.get("model_type"))  # before a single tensor of a (possibly 60 GB) checkpoint is read
-    files = _weight_files(model_dir)
+    files, _ = weight_files(model_dir)
     state_dict, file_of, metadata = {}, {}, {}
     for fname in files:
         with safe_open(str(model_dir / fname), framework="pt") as f:
