@@ -70,3 +70,15 @@ def patch_now_or_on_import(target: str, patch) -> str:
         return ""
     sys.meta_path.insert(0, PatchOnImport(target, patch))
     return "on import"
+
+
+def wrap_function_once(module, name: str, wrapper_for, mark: str) -> bool:
+    """Replace ``module.<name>`` by ``wrapper_for(original)``, tagged with ``mark``; False if the
+    function is absent or already wrapped (so a patch applied twice changes nothing)."""
+    original = getattr(module, name, None)
+    if original is None or getattr(original, mark, False):
+        return False
+    wrapped = wrapper_for(original)
+    setattr(wrapped, mark, True)
+    setattr(module, name, wrapped)
+    return True

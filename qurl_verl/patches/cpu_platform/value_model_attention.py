@@ -22,7 +22,7 @@ import functools
 import importlib.util
 from contextlib import contextmanager
 
-from qurl_verl.patches.on_import import patch_now_or_on_import
+from qurl_verl.patches.on_import import patch_now_or_on_import, wrap_function_once
 
 TARGET_MODULE = "verl.utils.model"
 FUNCTION = "load_valuehead_model"
@@ -70,11 +70,7 @@ def cpu_attention_loader_for(original):
 
 
 def patch_module(module) -> bool:
-    original = getattr(module, FUNCTION, None)
-    if original is None or getattr(original, _MARK, False):
-        return False
-    setattr(module, FUNCTION, cpu_attention_loader_for(original))
-    return True
+    return wrap_function_once(module, FUNCTION, cpu_attention_loader_for, _MARK)
 
 
 def apply() -> str:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import os
 
-from qurl_verl.patches.on_import import patch_now_or_on_import
+from qurl_verl.patches.on_import import patch_now_or_on_import, wrap_function_once
 from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV as RELOADING_WORKER_ENV
 
 TARGET_MODULE = "vllm.model_executor.layers.utils"
@@ -74,11 +74,7 @@ def is_patched(module) -> bool:
 
 def patch_module(module) -> bool:
     """Swap the dispatch in the loaded vLLM module; False if already swapped or absent."""
-    original = getattr(module, FUNCTION, None)
-    if original is None or getattr(original, _MARK, False):
-        return False
-    setattr(module, FUNCTION, keep_weight_dispatch_for(original))
-    return True
+    return wrap_function_once(module, FUNCTION, keep_weight_dispatch_for, _MARK)
 
 
 def apply() -> str:
