@@ -36,6 +36,7 @@ from qurl_verl.settings import (
     check_actor_strategy,
     check_architecture,
     check_cpu_rollout_format,
+    check_quantized_experts,
     check_flash_attn,
     check_critic_flash_attn,
     check_fp8_hardware,
@@ -46,8 +47,11 @@ from qurl_verl.settings import (
     dry_run,
     dtype_bytes,
     flash_attn_installed,
+    installed_vllm_version,
     largest_weight,
+    moe_experts,
     problems,
+    quantized_share,
     raise_problems,
     select,
     show,
@@ -62,7 +66,7 @@ def on_validate_config(cfg: Any, log=print) -> QurlSettings | None:
     """The hook verl's ``validate_config`` runs first (``qurl_verl.patches.always.validate_config_hook``)."""
     if not uses_qurl(cfg):
         return None
-    settings = check_config(cfg)
+    settings = check_config(cfg, log=log)
     prepare_config(cfg, settings.uaq, log=log)
     return settings
 
@@ -263,23 +267,42 @@ DECODER_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj
 
 
 def check_fused_layers_kept_whole(rollout: RolloutSettings, model_path: Any) -> None:
-    """``custom.qurl.ignore`` must keep q/k/v (and gate/up) together: vLLM runs each group as one layer
-    and would refuse the engine at start, naming only the fused layer. Checked on the model's own
-    layer names, from its config.json (skipped when that cannot be read here)."""
+    """``custom.qurl.ignore`` must keep q/k/v (and gate/up) together, and all routed experts of a layer
+    with all their projections: vLLM runs each group as one layer and would refuse the engine at
+    start, naming only the fused layer, or (experts) decide the whole layer by expert 0 alone. Checked
+    on the model's own layer names, from its config.json (skipped when that cannot be read here)."""
     if not rollout.ignore or not model_path:
         return
     hf = hf_config_of(model_path)
     if hf is None:
         return
-    layers = hf.get("num_hidden_layers") or 0
-    from qurl_verl.quant.compressed_tensors_format import is_ignored
+    hf = hf.get("text_config", hf)
+    experts = moe_experts(hf)
+    from qurl_verl.quant.compressed_tensors_format import experts_ignored, is_ignored
 
-    for i in range(int(layers)):
-        for proj in DECODER_PROJECTIONS:
-            try:
+    for i in range(int(hf.get("num_hidden_layers") or 0)):
+        try:
+            for proj in DECODER_PROJECTIONS:
                 is_ignored(f"model.layers.{i}.{proj}", rollout.ignore_patterns)
-            except ValueError as e:
-                raise QurlConfigError(f"{ROLLOUT_CUSTOM_KEY}.ignore: {e}") from None
+            if experts is not None:
+                experts_ignored(f"model.layers.{i}.mlp.experts", experts[0], rollout.ignore_patterns)
+        except ValueError as e:
+            raise QurlConfigError(f"{ROLLOUT_CUSTOM_KEY}.ignore: {e}") from None
+
+
+def check_moe_rollout(rollout: RolloutSettings, hf: dict | None, on_cpu: bool, log=print) -> None:
+    """An MoE model: refuse experts the installed vLLM would not run W8A8, and say what runs in 8 bits
+    (with bf16 experts most of an MoE model's weights stay in full precision)."""
+    if hf is None or moe_experts(hf) is None or not rollout.quantized:
+        return
+    import torch
+
+    check_quantized_experts(rollout, installed_vllm_version(), on_cpu, amx=bool(torch.cpu._is_amx_tile_supported()))
+    share = quantized_share(hf, rollout)
+    log(f"[qurl] MoE rollout in {rollout.format.value}: {share['weights']:.0%} of the linear weights and "
+        f"{share['active_flops']:.0%} of the active linear FLOPs per token run in 8 bits; routed experts in "
+        f"{'the rollout format' if rollout.experts.value == 'quantized' else 'full precision'} "
+        f"({ROLLOUT_CUSTOM_KEY}.experts={rollout.experts.value}), routers and lm_head in full precision")
 
 
 def check_plugin_loaded(component: str, what: str) -> None:
@@ -304,7 +327,7 @@ def prepare_cpu_int8_gemm(rollout: RolloutSettings) -> None:
         cpu_int8_gemm.load()  # logs and returns False if it cannot be built; the workers then use oneDNN
 
 
-def check_config(cfg: Any) -> QurlSettings:
+def check_config(cfg: Any, log=print) -> QurlSettings:
     """Every check of a config that uses qurl-verl; returns its settings or raises QurlConfigError."""
     check_preset_resolved(cfg)
     if select(cfg, ROLLOUT_NAME_KEY) is None:
@@ -327,6 +350,9 @@ def check_config(cfg: Any) -> QurlSettings:
         if archs is not None:
             check_architecture(archs, model=str(select(cfg, MODEL_PATH_KEY)))
         check_fused_layers_kept_whole(settings.rollout, select(cfg, MODEL_PATH_KEY))
+        on_cpu = cpu_platform_selected() or select(cfg, "trainer.device") == "cpu"
+        check_moe_rollout(settings.rollout, hf_config_of(select(cfg, MODEL_PATH_KEY)) if archs is not None else None,
+                          on_cpu, log=log)
         check_fp8_hardware(settings.rollout, cuda_capability())  # the servers check again on their GPUs
         if cpu_platform_selected() or select(cfg, "trainer.device") == "cpu":
             import torch

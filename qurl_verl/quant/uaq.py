@@ -11,7 +11,9 @@ quantization step, so more updates survive re-quantization (spec §3.2, §3.4).
 A norm's output must reach *only* the scaled linears, so the groups are fixed by the layer
 layout: ``input_layernorm`` -> q/k/v (all three), ``post_attention_layernorm`` -> gate/up (both).
 Qwen3's q_norm/k_norm sit after q_proj/k_proj and see unchanged projection outputs, so they need
-no change. UAQ is applied once; the model's config records it so that it is never applied twice.
+no change. In Qwen2-MoE / Qwen3-MoE post_attention_layernorm also feeds the router (and Qwen2-MoE's
+shared-expert gate), which must see unscaled inputs, so only q/k/v may be scaled there. UAQ is
+applied once; the model's config records it so that it is never applied twice.
 """
 from __future__ import annotations
 
@@ -22,7 +24,16 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Same attention block; the MLP is a routed MoE whose router reads post_attention_layernorm's output.
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
+_MLA = "MLA attention: q/k/v are low-rank projections with norms between them, not linears fed by input_layernorm"
+REFUSED_MODEL_TYPES = {
+    "mixtral": "its MoE is block_sparse_moe with per-expert w1/w2/w3 names that the quantized rollout does not know",
+    "deepseek_v2": _MLA,
+    "deepseek_v3": _MLA,
+}
 DEFAULT_UAQ_TARGETS = ("q_proj", "k_proj", "v_proj")
 CONFIG_KEY = "qurl_uaq"
 
@@ -66,16 +77,27 @@ def _check_scale(scale: float) -> float:
     return scale
 
 
-def check_uaq_model_type(model_type: str | None) -> None:
-    """Raise ValueError for a ``model_type`` whose layer layout UAQ does not know (before any tensor is read)."""
-    _check_model_type(model_type)
+def check_uaq_model_type(model_type: str | None, targets: Iterable[str] | None = None) -> None:
+    """Raise ValueError for a ``model_type`` UAQ cannot fold, or (given ``targets``) targets it cannot fold there.
+
+    Needs only config.json, so a converter calls it before reading a single tensor.
+    """
+    _check_model_type(model_type, None if targets is None else resolve_uaq_targets(targets))
 
 
-def _check_model_type(model_type: str | None) -> None:
+def _check_model_type(model_type: str | None, norms: list[str] | None = None) -> None:
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"UAQ does not support model_type {model_type!r}: {REFUSED_MODEL_TYPES[model_type]}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"UAQ does not know the layer layout of model_type {model_type!r}; "
             f"supported model_types: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    if model_type in MOE_MODEL_TYPES and norms and "post_attention_layernorm" in norms:
+        raise ValueError(
+            f"UAQ cannot scale gate_proj,up_proj of MoE model_type {model_type!r}: post_attention_layernorm "
+            f"also feeds the router (mlp.gate; in Qwen2-MoE also mlp.shared_expert_gate), which must stay "
+            f"unchanged, and scaling the norm would change the router's input; use targets q_proj,k_proj,v_proj"
         )
 
 
@@ -126,7 +148,7 @@ def apply_uaq(model: nn.Module, scale: float = 1.5, targets: Iterable[str] = DEF
     record = getattr(config, CONFIG_KEY, None)
     if record:
         raise _already_applied_error(record)
-    _check_model_type(getattr(config, "model_type", None))
+    _check_model_type(getattr(config, "model_type", None), norms)
     layers = _decoder_layers(model)
     for layer in layers:
         for norm_name in norms:
@@ -158,7 +180,7 @@ def apply_uaq_to_state_dict(
     norms = resolve_uaq_targets(targets)
     if config.get(CONFIG_KEY):
         raise _already_applied_error(config[CONFIG_KEY])
-    _check_model_type(config.get("model_type"))
+    _check_model_type(config.get("model_type"), norms)
     layer_prefixes = sorted(
         {m["layer"] for key in state_dict if (m := _LAYER_NORM_KEY.match(key))},
         key=lambda p: int(p.rsplit(".", 1)[1]),

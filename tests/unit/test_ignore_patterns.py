@@ -140,7 +140,8 @@ def test_plain_names_become_anchored_suffix_regexes():
 def test_the_emitted_config_carries_the_list_the_stream_matches():
     settings = RolloutSettings(format="int8", ignore=("down_proj", "model.layers.0.self_attn.o_proj", "down_proj"))
     emitted = settings.quantization_config()["ignore"]
-    assert emitted == ["lm_head", r"re:(?:.*\.)?down_proj$", "model.layers.0.self_attn.o_proj"]
+    moe = [r"re:(?:.*\.)?mlp\.gate$", r"re:(?:.*\.)?mlp\.shared_expert_gate$", r"re:(?:.*\.)?mlp\.experts(?:\..*)?$"]
+    assert emitted == ["lm_head", *moe, r"re:(?:.*\.)?down_proj$", "model.layers.0.self_attn.o_proj"]
     assert WeightStreamQuantizer(settings).ignore == tuple(emitted)
     assert compressed_tensors_config("int8", ignore=emitted)["ignore"] == emitted  # normalizing again changes nothing
 

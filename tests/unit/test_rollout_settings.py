@@ -11,6 +11,9 @@ from omegaconf import OmegaConf
 from qurl_verl import driver
 from qurl_verl.settings import QurlConfigError, RolloutSettings, check_cpu_rollout_format
 
+# always full precision besides lm_head: the MoE routers, and the routed experts by default
+MOE_ALWAYS = (r"re:(?:.*\.)?mlp\.gate$", r"re:(?:.*\.)?mlp\.shared_expert_gate$", r"re:(?:.*\.)?mlp\.experts(?:\..*)?$")
+
 
 def validate_rollout_settings(cfg):
     """What the driver checks and returns for the rollout group of a config."""
@@ -46,7 +49,7 @@ def test_int8_engine_config_is_compressed_tensors_w8a8_per_channel_per_token():
     assert quantization == "compressed-tensors" and cfg["quant_method"] == "compressed-tensors"
     assert group["weights"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
     assert group["input_activations"] == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-    assert cfg["ignore"] == ["lm_head"]
+    assert cfg["ignore"] == ["lm_head", *MOE_ALWAYS]  # the MoE entries match no module of a dense model
 
 
 def test_fp8_block_engine_config_has_128_blocks_and_groups():
@@ -64,7 +67,7 @@ def test_ignored_layers_join_the_always_ignored_lm_head():
     s = RolloutSettings.from_rollout_config(
         rollout_node("int8", {"ignore": ["model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*"]})
     )
-    assert s.ignore_patterns == ("lm_head", "model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*")
+    assert s.ignore_patterns == ("lm_head", *MOE_ALWAYS, "model.layers.0.mlp.down_proj", "re:.*layers\\.1\\.self_attn.*")
     assert s.quantization_config()["ignore"] == list(s.ignore_patterns)
 
 

@@ -1,13 +1,16 @@
-"""UAQ on tiny random Llama / Mistral / Qwen2 / Qwen3 models: invariance, bookkeeping, and its effect on Adam steps."""
+"""UAQ on tiny random Llama / Mistral / Qwen2 / Qwen3 and Qwen2-MoE / Qwen3-MoE models: invariance, bookkeeping,
+refusals, and its effect on Adam steps."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
 
 from qurl_verl.quant import W8A8Linear, apply_uaq, quantize_linear_modules_, uaq_record, update_visibility
 from qurl_verl.quant import matmul, quantizer
+from qurl_verl.quant.uaq import check_uaq_model_type
 
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3"]
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -296,3 +299,151 @@ def test_adam_step_changes_more_quantized_codes_with_uaq(tiny_causal_lm, fmt, re
     print(f"\n{fmt}: changed q/k/v codes after one Adam step (lr={lr}): base {fractions['base']:.4f}, "
           f"UAQ s={scale} {fractions['uaq']:.4f}, ratio {ratio:.3f} (spec: about s)")
     assert ratio > 1.0
+
+
+# ---------------------------------------------------------------------------------- MoE
+MOE_MODEL_TYPES = ["qwen2_moe", "qwen3_moe"]
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def tiny_moe_lm(model_type, dtype=torch.float32, seed=0):
+    """A 2-layer random Qwen2-MoE / Qwen3-MoE (8 experts, top 2); norms and biases randomised as in tiny_causal_lm."""
+    import transformers
+
+    dims = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                moe_intermediate_size=64, intermediate_size=256, num_experts=8, num_experts_per_tok=2)
+    if model_type == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(head_dim=32, **dims)
+    else:
+        config = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=64, **dims)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.05 * torch.randn_like(param))
+    return model.to(dtype)
+
+
+# The fold rounds each scaled norm weight and q/k/v weight once in float32 (relative error <= U32); through two
+# layers of 128-wide sums this moved the logits by at most 10 U32 x max|logit| (measured, both MoE types,
+# s in {0.7, 1.3, 1.5, 3}). The router sees the attention output, so a rounding-level change could flip a top-2
+# choice at an exact near-tie; that would move the logits by ~1e-3 (see the router test below), not by ulps.
+MOE_LOGIT_ATOL = 64 * U32
+
+
+QKV_FOLD = re.compile(r"layers\.\d+\.(input_layernorm|self_attn\.[qkv]_proj)\.weight$")
+
+
+def is_folded(name):
+    """What UAQ with q/k/v targets may change: input_layernorm and q/k/v weights (not biases), every layer."""
+    return QKV_FOLD.search(name) is not None
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_moe_fp32_logits_unchanged_and_only_input_norm_and_qkv_move(model_type):
+    scale = 1.5
+    model = tiny_moe_lm(model_type)
+    # transformers 5 holds the routed experts as fused 3D parameters; the fold must not need per-expert linears
+    assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, torch.nn.Parameter)
+    before_logits, before = logits(model), params(model)
+    apply_uaq(model, scale=scale)
+    after = params(model)
+    atol = MOE_LOGIT_ATOL * before_logits.abs().max().item()
+    torch.testing.assert_close(logits(model), before_logits, rtol=0, atol=atol)
+
+    changed = {n for n in before if not torch.equal(after[n], before[n])}
+    assert changed == {n for n in before if is_folded(n)}
+    assert len(changed) == 2 * 4  # per layer: input_layernorm, q_proj, k_proj, v_proj
+    for name in changed:
+        # float64 product / quotient of float32 values, rounded once to float32: the correctly rounded x s, / s
+        exact = before[name].double() * scale if "layernorm" in name else before[name].double() / scale
+        assert torch.equal(after[name], exact.float()), name
+    untouched = [n for n in before if ".mlp." in n or "post_attention_layernorm" in n or n.endswith("_proj.bias")]
+    assert any(n.endswith("mlp.gate.weight") for n in untouched)  # the router
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in untouched)
+    assert any("shared_expert" in n for n in untouched) == (model_type == "qwen2_moe")
+    assert any(n.endswith("q_proj.bias") for n in untouched) == (model_type == "qwen2_moe")
+    assert all(torch.equal(after[n], before[n]) for n in untouched)
+    assert uaq_record(model.config) == {"scale": scale, "targets": list(QKV)}
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_moe_power_of_two_scale_is_bit_exact(model_type):
+    # Exact in binary floating point: the router sees bit-identical inputs, so even the expert choice cannot move.
+    model = tiny_moe_lm(model_type)
+    before = logits(model)
+    apply_uaq(model, scale=2.0)
+    assert torch.equal(logits(model), before)
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_moe_scaling_post_attention_norm_would_move_the_router(model_type):
+    """Why gate/up is refused on MoE: the same fold that is exact on a dense MLP, done by hand with the router
+    (and Qwen2-MoE's shared-expert gate) left in full precision as it must stay, changes the model."""
+    scale = 1.5
+    model = tiny_moe_lm(model_type)
+    ref = logits(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight.mul_(scale)
+            layer.mlp.experts.gate_up_proj.div_(scale)
+            if model_type == "qwen2_moe":
+                layer.mlp.shared_expert.gate_proj.weight.div_(scale)
+                layer.mlp.shared_expert.up_proj.weight.div_(scale)
+    drift = ((logits(model) - ref).abs().max() / ref.abs().max()).item()
+    assert drift > 1000 * MOE_LOGIT_ATOL  # measured ~7e-3, i.e. ~1e5 U32
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+@pytest.mark.parametrize("targets", [QKV + GATE_UP, GATE_UP])
+def test_moe_refuses_gate_up_before_touching_weights(model_type, targets):
+    model = tiny_moe_lm(model_type)
+    before = params(model)
+    with pytest.raises(ValueError, match=r"router.*use targets q_proj,k_proj,v_proj"):
+        apply_uaq(model, targets=targets)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert uaq_record(model.config) is None
+    with pytest.raises(ValueError, match="router"):
+        check_uaq_model_type(model_type, targets)
+
+
+def test_check_uaq_model_type_with_and_without_targets():
+    for model_type in ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        check_uaq_model_type(model_type)
+        check_uaq_model_type(model_type, QKV)
+    check_uaq_model_type("qwen3", QKV + GATE_UP)
+    with pytest.raises(ValueError, match="must be scaled together"):
+        check_uaq_model_type("qwen3_moe", ("q_proj",))
+    with pytest.raises(ValueError, match="supported model_types"):
+        check_uaq_model_type("phi3", QKV)
+
+
+@pytest.mark.parametrize(
+    "model_type,reason",
+    [
+        ("mixtral", r"block_sparse_moe.*w1/w2/w3"),
+        ("deepseek_v2", r"MLA attention.*not linears fed by input_layernorm"),
+        ("deepseek_v3", r"MLA attention.*not linears fed by input_layernorm"),
+    ],
+)
+def test_refused_moe_architectures_say_why(model_type, reason):
+    with pytest.raises(ValueError, match=rf"{model_type}.*{reason}"):
+        check_uaq_model_type(model_type)
+    with pytest.raises(ValueError, match=reason):
+        check_uaq_model_type(model_type, QKV)
+
+
+def test_refuses_a_live_mixtral():
+    import transformers
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    before = params(model)
+    with pytest.raises(ValueError, match="block_sparse_moe"):
+        apply_uaq(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from qurl_verl.quant import apply_uaq, apply_uaq_to_state_dict, uaq_record
 from qurl_verl.quant.uaq_convert import convert_checkpoint, main
+from test_uaq import MOE_LOGIT_ATOL, MOE_MODEL_TYPES, QKV, is_folded, tiny_moe_lm
 
 
 def logits(model):
@@ -95,3 +96,81 @@ def test_cli_keeps_shards(tiny_causal_lm, tmp_path):
     converted = transformers.AutoModelForCausalLM.from_pretrained(out)
     ref = logits(model)
     torch.testing.assert_close(logits(converted), ref, rtol=0, atol=2e-6 * ref.abs().max())
+
+
+# ---------------------------------------------------------------------------------- MoE
+def read_checkpoint(folder):
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_moe_checkpoint_state_dict_changes_only_input_norm_and_qkv(model_type, tmp_path):
+    scale = 1.5
+    tiny_moe_lm(model_type).save_pretrained(tmp_path)
+    state_dict = read_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # on disk transformers 5 writes one tensor per expert and projection, as checkpoints on the hub have them
+    assert "model.layers.1.mlp.experts.7.gate_proj.weight" in state_dict
+    assert "model.layers.1.mlp.gate.weight" in state_dict
+
+    folded, new_config = apply_uaq_to_state_dict(state_dict, config, scale, QKV)
+    assert folded.keys() == state_dict.keys()
+    changed = {k for k in state_dict if not torch.equal(folded[k], state_dict[k])}
+    assert changed == {k for k in state_dict if is_folded(k)} and len(changed) == 2 * 4
+    for key in changed:
+        exact = state_dict[key].double() * scale if "layernorm" in key else state_dict[key].double() / scale
+        assert torch.equal(folded[key], exact.float()), key
+    for key in state_dict.keys() - changed:  # experts, router, shared expert, post_attention_layernorm, biases
+        assert folded[key].dtype == state_dict[key].dtype
+        assert torch.equal(folded[key].view(torch.int32), state_dict[key].view(torch.int32)), key
+    assert uaq_record(new_config) == {"scale": scale, "targets": list(QKV)}
+    assert {k: v for k, v in new_config.items() if k != "qurl_uaq"} == config
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_moe_checkpoint_conversion_equals_the_live_fold(model_type, tmp_path):
+    import transformers
+
+    model = tiny_moe_lm(model_type)
+    src, out = tmp_path / "in", tmp_path / "out"
+    model.save_pretrained(src)
+    assert convert_checkpoint(src, out, 1.5) == {"scale": 1.5, "targets": list(QKV)}
+    assert read_checkpoint(out).keys() == read_checkpoint(src).keys()  # per-expert names kept
+
+    converted = transformers.AutoModelForCausalLM.from_pretrained(out)
+    expected = apply_uaq(copy.deepcopy(model), 1.5)  # in memory the experts are fused 3D parameters
+    assert converted.state_dict().keys() == expected.state_dict().keys()
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(converted.state_dict()[name], tensor), name
+    ref = logits(model)
+    torch.testing.assert_close(logits(converted), ref, rtol=0, atol=MOE_LOGIT_ATOL * ref.abs().max().item())
+
+
+def garbage_checkpoint(folder, model_type):
+    """A config.json and a model.safetensors that fails the moment anything opens it."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "num_hidden_layers": 2}))
+    (folder / "model.safetensors").write_bytes(b"\xff" * 64)
+    return folder
+
+
+@pytest.mark.parametrize("model_type", MOE_MODEL_TYPES)
+def test_moe_gate_up_refused_before_any_tensor_is_read(model_type, tmp_path, capsys):
+    src, out = garbage_checkpoint(tmp_path / "in", model_type), tmp_path / "out"
+    with pytest.raises(ValueError, match=r"router.*use targets q_proj,k_proj,v_proj"):
+        convert_checkpoint(src, out, 1.5, QKV + ("gate_proj", "up_proj"))
+    with pytest.raises(SystemExit):
+        main(["--model", str(src), "--out", str(out), "--targets", "gate_proj,up_proj"])
+    assert "router" in capsys.readouterr().err
+    assert not out.exists()
+    # the same folder with allowed targets does get read, and the garbage is noticed: the refusal came first
+    with pytest.raises(SafetensorError):
+        convert_checkpoint(src, out, 1.5, QKV)
+
+
+@pytest.mark.parametrize("model_type,reason", [("mixtral", "block_sparse_moe"), ("deepseek_v3", "MLA")])
+def test_refused_architectures_before_any_tensor_is_read(model_type, reason, tmp_path):
+    src = garbage_checkpoint(tmp_path / "in", model_type)
+    with pytest.raises(ValueError, match=reason):
+        convert_checkpoint(src, tmp_path / "out")

