@@ -7,10 +7,11 @@ PY := .venv/bin/python
 PY_VLLM024 := .venv-vllm024/bin/python
 STEPS ?= 3
 # the tests that run on the vLLM 0.24 stack as well: unit tests (several reach vLLM's own rules),
-# every real engine, and one main_ppo run with the plugin installed (its entry point loaded). Not the
-# GPU evidence script's CPU dry run: it emulates CUDA's row-wise FP8 _scaled_mm, which CPU torch 2.11
-# lacks (the script runs on CUDA, its dry run on the default stack).
+# every real engine, and two main_ppo runs with the plugin installed (its entry point loaded; a dense
+# and an MoE model). Not the GPU evidence script's CPU dry run: it emulates CUDA's row-wise FP8
+# _scaled_mm, which CPU torch 2.11 lacks (the script runs on CUDA, its dry run on the default stack).
 VLLM024_TESTS := tests/unit tests/integration tests/e2e/test_main_ppo_cpu.py::test_int8_rollout_with_acr_and_uaq \
+	tests/e2e/test_main_ppo_moe.py \
 	--deselect tests/unit/test_gpu_evidence_dry_run.py
 
 .PHONY: venv venv-vllm024 demo test test-vllm032 test-vllm024 test-install test-unit test-integration test-e2e \

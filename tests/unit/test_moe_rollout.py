@@ -241,3 +241,52 @@ def test_driver_refuses_an_ignore_list_that_splits_experts(tmp_path, monkeypatch
     with pytest.raises(QurlConfigError, match=r"custom.qurl.ignore: .*model.layers.0.mlp.experts"):
         driver.check_fused_layers_kept_whole(driver.QurlSettings.from_config(cfg).rollout,
                                              driver.select(cfg, "actor_rollout_ref.model.path"))
+
+
+# ------------------------------------------------------------------------------------ the stream's expert names
+@pytest.mark.parametrize("engine_name", ["model.layers.0.mlp.experts.w13_weight",
+                                         "model.layers.0.mlp.experts.routed_experts.w13_weight"])
+def test_fused_expert_parameters_map_to_the_per_expert_names_verl_streams(engine_name):
+    """vLLM holds a layer's experts in w13 (gate, up) and w2 (down), under ``mlp.experts`` (0.24) or its
+    ``routed_experts`` child (0.32); verl streams ``mlp.experts.<e>.<proj>.weight`` (unfuse_moe_params)."""
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+    from qurl_verl.rollout.worker_extension import _expert_names
+
+    module = torch.nn.Module()
+    module.global_num_experts = 8
+    w13 = torch.zeros(8, 2 * 64, 128, dtype=torch.bfloat16)
+    names = _expert_names(module, engine_name, w13)
+    names.update(_expert_names(module, engine_name.replace("w13", "w2"), torch.zeros(8, 128, 64, dtype=torch.bfloat16)))
+    streamed = [n for n, _ in unfuse_moe_params([("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(8, 128, 128)),
+                                                  ("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 128, 64))],
+                                                 "qwen3_moe")]
+    assert sorted(names) == sorted(streamed) and len(streamed) == 24
+    assert set(names.values()) == {torch.bfloat16}
+    assert _expert_names(module, "model.layers.0.self_attn.qkv_proj.weight", w13) == {}
+
+
+@pytest.mark.parametrize("experts", ["bf16", "quantized"])
+def test_the_stream_sends_experts_as_the_engine_builds_them(experts):
+    """bf16 experts: copied in the engine's dtype; quantized: 8-bit codes plus a per-channel scale per
+    expert (the compressed-tensors names vLLM's expert mapping loads into w13/w2_weight_scale). The
+    router is copied in full precision either way."""
+    settings = RolloutSettings(format="int8", experts=experts)
+    prefix = "model.layers.0.mlp"
+    bucket = [(f"{prefix}.gate.weight", torch.randn(8, 128)),
+              *[(f"{prefix}.experts.{e}.{p}.weight", torch.randn(128, 64) if p == "down_proj" else torch.randn(64, 128))
+                for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")]]
+    dtypes = {n: torch.bfloat16 for n, _ in bucket}
+    out = dict(WeightStreamQuantizer(settings, param_dtypes=dtypes).transform(bucket))
+    assert out[f"{prefix}.gate.weight"].dtype == torch.bfloat16
+    assert torch.equal(out[f"{prefix}.gate.weight"], bucket[0][1].to(torch.bfloat16))
+    for name, tensor in bucket[1:]:
+        if experts == "bf16":
+            assert out[name].dtype == torch.bfloat16 and name[: -len("weight")] + "weight_scale" not in out
+        else:
+            scale = out[name[: -len("weight")] + "weight_scale"]
+            assert out[name].dtype == torch.int8 and scale.shape == (tensor.shape[0], 1)
+            # a direct per-channel quantize-dequantize of the same row
+            ref_scale = tensor.abs().amax(dim=1, keepdim=True) / 127
+            assert torch.allclose(scale, ref_scale, rtol=1e-6)
+            assert torch.equal(out[name], torch.clamp(torch.round(tensor / scale), -127, 127).to(torch.int8))
