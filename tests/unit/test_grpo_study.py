@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+from qurl_recipes import grpo_study
 from qurl_recipes.grpo_study import (
+    CHECKPOINT,
     VARIANTS,
+    StudyRun,
     StudySettings,
     build_rollout,
     changed_code_shares,
@@ -108,6 +112,93 @@ def test_run_logs_every_step_and_keeps_a_finished_run(tiny, tmp_path):
     stamp = (out / "metrics.jsonl").stat().st_mtime_ns
     run(folder, "acr_per_group_lr", 1, settings, tmp_path)
     assert (out / "metrics.jsonl").stat().st_mtime_ns == stamp  # same settings: not rerun
+
+
+def _rows(folder):
+    """metrics.jsonl without the wall-clock fields, the only ones allowed to differ between two runs."""
+    return [{k: v for k, v in json.loads(line).items() if not k.endswith("_s")}
+            for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _interrupt_at(monkeypatch, at_step):
+    real = StudyRun.step
+
+    def step(self, step):
+        if step == at_step:
+            raise KeyboardInterrupt(f"killed at step {step}")
+        return real(self, step)
+
+    monkeypatch.setattr(StudyRun, "step", step)
+
+
+def test_an_interrupted_run_resumes_bit_identical(tiny, tmp_path, monkeypatch, capsys):
+    """Killed during step 3 with a checkpoint after step 1: the resumed run drops the logged step 2, redoes
+    it and ends where the uninterrupted run ends. A UAQ variant with per-group learning rates carries
+    every piece of state: optimizer groups, quantized codes, and (6 questions, 2 per step) a queue
+    that is half used at the checkpoint and refilled after it; validation runs before and after it."""
+    folder, _, _ = tiny
+    settings = StudySettings(steps=4, prompts_per_step=2, group_size=2, n_train=6, n_val=2, val_every=2,
+                             max_response_tokens=8)
+    variant = "acr_per_group_lr_uaq_clip"
+    whole = run(folder, variant, 1, settings, tmp_path / "whole", checkpoint_every=2)
+
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            run(folder, variant, 1, settings, tmp_path / "cut", checkpoint_every=2)
+    cut = tmp_path / "cut" / variant / "seed1"
+    assert (cut / CHECKPOINT).exists() and not (cut / "run.json").exists()
+    assert len((cut / "metrics.jsonl.partial").read_text().splitlines()) == 3  # steps 0-2; the checkpoint has 0-1
+    capsys.readouterr()
+    assert run(folder, variant, 1, settings, tmp_path / "cut", checkpoint_every=2) == cut
+    assert "resuming from the checkpoint at step 2" in capsys.readouterr().out
+
+    assert _rows(cut) == _rows(whole)
+    assert [r["step"] for r in _rows(cut)] == [0, 1, 2, 3, 4] and "changed_code_share" in _rows(cut)[2]
+    final_whole = torch.load(whole / "final_state_dict.pt")
+    final_cut = torch.load(cut / "final_state_dict.pt")
+    assert final_whole.keys() == final_cut.keys()
+    assert all(torch.equal(final_whole[k], final_cut[k]) for k in final_whole)
+    assert json.loads((cut / "run.json").read_text())["resumed_at"] == [2]
+    assert json.loads((whole / "run.json").read_text())["resumed_at"] == []
+    assert not (cut / CHECKPOINT).exists() and not (whole / CHECKPOINT).exists()
+
+    stamp = (cut / "metrics.jsonl").stat().st_mtime_ns
+    run(folder, variant, 1, settings, tmp_path / "cut", checkpoint_every=3)  # the interval is not a setting
+    assert (cut / "metrics.jsonl").stat().st_mtime_ns == stamp
+
+
+def test_a_checkpoint_of_other_settings_is_ignored(tiny, tmp_path, monkeypatch, capsys):
+    folder, _, _ = tiny
+    settings = StudySettings(steps=3, prompts_per_step=2, group_size=2, n_train=4, n_val=2, val_every=5,
+                             max_response_tokens=8)
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 1)
+        with pytest.raises(KeyboardInterrupt):
+            run(folder, "tis", 1, settings, tmp_path, checkpoint_every=1)
+    out = tmp_path / "tis" / "seed1"
+    assert torch.load(out / CHECKPOINT, weights_only=True)["next_step"] == 1
+    capsys.readouterr()
+    run(folder, "tis", 1, replace(settings, steps=2), tmp_path, checkpoint_every=1)
+    assert "other settings; starting over" in capsys.readouterr().out
+    assert [r["step"] for r in _rows(out)] == [0, 1, 2]
+    assert json.loads((out / "run.json").read_text())["resumed_at"] == []
+    assert not (out / CHECKPOINT).exists()
+
+
+def test_checkpoint_interval_is_a_flag_not_a_setting(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(grpo_study, "run", lambda *a, **kw: calls.append((a, kw)))
+    threads = torch.get_num_threads()
+    try:
+        grpo_study.main(["--model", "m", "--out", str(tmp_path), "--variants", "bf16", "--seeds", "1",
+                         "--threads", str(threads), "--checkpoint-every", "7", "--steps", "9"])
+    finally:
+        torch.set_num_threads(threads)
+    [(args, kw)] = calls
+    assert args[3] == StudySettings(steps=9) and kw == {"checkpoint_every": 7}
+    with pytest.raises(ValueError, match="checkpoint_every"):
+        run("m", "bf16", 1, StudySettings(), tmp_path, checkpoint_every=-1)
 
 
 @pytest.mark.parametrize("flags, isa", [
