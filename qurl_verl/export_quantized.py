@@ -33,13 +33,14 @@ from safetensors.torch import save_file
 
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
 from qurl_verl.quant.uaq_convert import INDEX_FILE, weight_files
-from qurl_verl.settings import RolloutSettings, check_architecture
+from qurl_verl.quant.compressed_tensors_format import experts_ignored
+from qurl_verl.settings import RolloutSettings, check_architecture, moe_experts
 
 EXPORT_FORMATS = ("int8", "fp8", "fp8_block")
 
 
 def export_quantized_checkpoint(model_dir: str | Path, out_dir: str | Path, format: str = "int8",
-                                ignore: Iterable[str] = (), weight_bits: int = 8) -> dict:
+                                ignore: Iterable[str] = (), weight_bits: int = 8, experts: str = "bf16") -> dict:
     """Write ``model_dir`` quantized as the rollout quantizes it to ``out_dir``; returns the ``quantization_config``."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / "config.json").exists():
@@ -49,9 +50,13 @@ def export_quantized_checkpoint(model_dir: str | Path, out_dir: str | Path, form
     if str(format).lower() not in EXPORT_FORMATS:
         raise ValueError(f"format={format!r}: export writes one of {', '.join(EXPORT_FORMATS)}")
     settings = RolloutSettings(format=format, ignore=tuple([ignore] if isinstance(ignore, str) else ignore),
-                               weight_bits=weight_bits)
+                               weight_bits=weight_bits, experts=experts)
     config = json.loads((model_dir / "config.json").read_text())
     check_architecture(config.get("architectures"), str(model_dir))
+    moe = moe_experts(config)
+    if moe is not None:  # vLLM decides a layer's experts from expert 0: a split list would not load
+        for i in range(int(config.get("num_hidden_layers") or 0)):
+            experts_ignored(f"model.layers.{i}.mlp.experts", moe[0], settings.ignore_patterns)
     if config.get("quantization_config"):
         raise ValueError(f"{model_dir} is already quantized (config.json has a quantization_config)")
     files, index = weight_files(model_dir)
@@ -101,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="linears kept in full precision, as custom.qurl.ignore (lm_head always is)")
     parser.add_argument("--weight-bits", type=int, default=8,
                         help="int8 only: codes within +-(2^(b-1)-1), as custom.qurl.weight_bits")
+    parser.add_argument("--experts", default="bf16", choices=("bf16", "quantized"),
+                        help="MoE models: routed experts in full precision or quantized, as custom.qurl.experts")
     args = parser.parse_args(argv)
     try:
-        config = export_quantized_checkpoint(args.model, args.out, args.format, args.ignore, args.weight_bits)
+        config = export_quantized_checkpoint(args.model, args.out, args.format, args.ignore, args.weight_bits,
+                                             args.experts)
     except ValueError as err:
         parser.error(str(err))
     print(f"wrote {args.out} ({args.format}, ignore={config['ignore']})")

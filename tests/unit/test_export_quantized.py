@@ -139,3 +139,34 @@ def test_command_line(tiny_checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--model", str(tiny_checkpoint), "--out", str(tmp_path / "out")])
     assert "not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("experts", ["bf16", "quantized"])
+def test_moe_export_keeps_routers_and_by_default_experts_in_full_precision(tmp_path, experts):
+    """A tiny Qwen3-MoE: attention exported as the rollout quantizes it, routers untouched, experts untouched
+    or quantized per expert (codes and scales equal to a direct quantize), as ``custom.qurl.experts``."""
+    from qurl_recipes.tiny_model import TinyMoeSpec, build_tiny_moe_model
+
+    model = build_tiny_moe_model(tmp_path / "moe", TinyMoeSpec(), dtype="float32")
+    config = export_quantized_checkpoint(model, tmp_path / "out", "int8", experts=experts)
+    assert config == RolloutSettings(format="int8", experts=experts).quantization_config()
+    source, out = load_file(str(model / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, tensor in source.items():
+        module = name.rsplit(".", 1)[0]
+        quantized = module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) or (
+            experts == "quantized" and ".mlp.experts." in module)
+        if quantized:
+            want = quantize(tensor, "int8", "channel")
+            assert torch.equal(out[name], want.data) and torch.equal(out[f"{module}.weight_scale"], want.scale), name
+        else:
+            assert torch.equal(out[name], tensor) and f"{module}.weight_scale" not in out, name
+    assert any(".mlp.gate." in n for n in source)  # the router was among the untouched tensors
+
+
+def test_moe_export_refuses_an_ignore_list_that_splits_experts(tmp_path):
+    from qurl_recipes.tiny_model import build_tiny_moe_model
+
+    model = build_tiny_moe_model(tmp_path / "moe")
+    with pytest.raises(ValueError, match="as one layer: ignore all of them or none"):
+        export_quantized_checkpoint(model, tmp_path / "out", "int8", ignore=["down_proj"], experts="quantized")
+    assert not (tmp_path / "out").exists()
