@@ -4,6 +4,9 @@ Every statistic is computed per seed first and then summarised across seeds as a
 standard error (sample standard deviation / sqrt(seeds)), so the error bars are seed-to-seed
 variation, not step-to-step noise. A difference between two variants counts only beyond twice
 the standard error of the difference (sqrt(se_a^2 + se_b^2)). Pure Python + matplotlib.
+
+``--long-runs`` adds a long-horizon section (paper Fig. 3: TIS drifts after ~500 steps, ACR does
+not) from a separate set of runs of >= 600 steps, in 100-step windows.
 """
 from __future__ import annotations
 
@@ -446,6 +449,63 @@ def plot(runs, out_dir: Path, bits: int, is_cap: float) -> list[Path]:
     return written
 
 
+def plot_long(runs, summaries: dict[str, dict], out_dir: Path, bits: int) -> list[Path]:
+    """KL over the long runs (log y) and reward / training accuracy per 100-step window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    fig, ax = plt.subplots(figsize=(7.2, 4.2), dpi=110)
+    drawn = False
+    for v, s in summaries.items():
+        drawn |= _draw(ax, runs, v, "kl_k3", True, bits)
+        pts = [((w["start"] + w["end"]) / 2, w["kl_k3"]) for w in s["windows"] if w["kl_k3"] > 0]
+        if pts:
+            ax.plot(*zip(*pts), ls="none", marker="s", ms=4, mec="k", mew=0.5, color=VARIANT_COLORS.get(v))
+    if drawn:
+        ax.axvspan(*LONG_BASE, color="0.85", zorder=0, label=f"steps {_window_name(LONG_BASE)}")
+        ax.set_yscale("log")
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("KL(behav ‖ prox), k3 estimator")
+        ax.set_title(f"KL(behav ‖ prox) over the long runs ({SMOOTH}-step moving average;\nsquares: "
+                     f"{LONG_WINDOW}-step window means; mean over seeds, shaded: min–max across seeds)", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out_dir / "long_horizon_kl.png"
+        fig.savefig(path)
+        written.append(path)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.0), dpi=110)
+    for v, s in summaries.items():
+        style = dict(color=VARIANT_COLORS.get(v), marker="o", ms=3, lw=1.4, capsize=2,
+                     label=VARIANT_LABELS.get(v, v).format(b=bits))
+        w = s["windows"]
+        axes[0].errorbar([(r["start"] + r["end"]) / 2 for r in w], [r["reward"] for r in w],
+                         yerr=[0 if math.isnan(r["reward_se"]) else r["reward_se"] for r in w], **style)
+        e = [r for r in s["evals"] if "train_acc_full" in r]
+        axes[1].errorbar([r["step"] for r in e], [r["train_acc_full"] for r in e],
+                         yerr=[0 if math.isnan(r["train_acc_full_se"]) else r["train_acc_full_se"] for r in e], **style)
+    for ax, ylabel in zip(axes, (f"train reward, {LONG_WINDOW}-step window mean",
+                                 "training-question accuracy (greedy, fp32 weights)")):
+        ax.axvspan(*LONG_BASE, color="0.85", zorder=0)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Long runs: reward and training accuracy (mean over seeds, error bars: ± SE across seeds; "
+                 f"grey: steps {_window_name(LONG_BASE)})", fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    path = out_dir / "long_horizon_reward.png"
+    fig.savefig(path)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
 TABLE_COLUMNS = (  # key, header, format
     ("reward_first", "reward first", ".3f"), ("reward_last", "reward last", ".3f"),
     ("train_acc_full_first", "train acc start", ".3f"), ("train_acc_full_last", "train acc end", ".3f"),
@@ -477,7 +537,52 @@ def markdown(summaries: dict[str, dict], checks: list[dict], settings: dict, cpu
     return "\n".join(lines) + "\n"
 
 
-def build_report(runs_dir: Path, variants: list[str], out_dir: Path) -> dict:
+def _cell(m: float, se: float, spec: str) -> str:
+    return "n/a" if math.isnan(m) else f"{m:{spec}}" + ("" if math.isnan(se) else f" ± {se:{spec}}")
+
+
+def long_markdown(long: dict, bits: int) -> str:
+    """The "Long horizon" section of results.md."""
+    st, summaries = long["settings"], long["variants"]
+    lines = ["## Long horizon", "",
+             f"Weight bits {bits}, {st['steps']} steps, lr {st['lr']:g}, {st['prompts_per_step']} prompts × "
+             f"{st['group_size']} samples, {st.get('mini_batches', 1)} updates per rollout, C = {st['is_cap']:g}. "
+             f"Windows of {LONG_WINDOW} steps; values: mean ± standard error across seeds. TIS drift compares the "
+             f"last window with steps {_window_name(LONG_BASE)}."]
+
+    def label(v):
+        return f"{VARIANT_LABELS.get(v, v).format(b=bits)} | {len(summaries[v]['seeds'])}"
+
+    spans = sorted({(w["start"], w["end"]) for s in summaries.values() for w in s["windows"]})
+    for key, title, spec in (("kl_k3", "KL(behav‖prox) (k3) per window", ".2e"),
+                             ("reward", "Train reward per window", ".3f"),
+                             ("clipfrac_upper", "Share of tokens where the upper clip bound binds (clipfrac_upper; "
+                                                "ACR's adaptive bound for the ACR variants)", ".2e"),
+                             ("w_frac_above_c", "Share of tokens with w > C (where ACR widens the bound)", ".2e")):
+        lines += ["", f"### {title}", "", "| variant | seeds | " + " | ".join(_window_name(w) for w in spans) + " |",
+                  "|---|---|" + "---:|" * len(spans)]
+        for v, s in summaries.items():
+            by_span = {(w["start"], w["end"]): w for w in s["windows"]}
+            lines.append(f"| {label(v)} | " + " | ".join(
+                _cell(by_span[w][key], by_span[w][f"{key}_se"], spec) if w in by_span else "n/a" for w in spans) + " |")
+    steps = sorted({e["step"] for s in summaries.values() for e in s["evals"]})
+    for key, title in (("train_acc_full", "Training-question accuracy (greedy, trained fp32 weights)"),
+                       ("val_acc_full", "Validation accuracy (greedy, trained fp32 weights)"),
+                       ("val_acc", "Validation accuracy (greedy, rollout policy)")):
+        lines += ["", f"### {title}, every {LONG_WINDOW} steps", "",
+                  "| variant | seeds | " + " | ".join(str(t) for t in steps) + " |", "|---|---|" + "---:|" * len(steps)]
+        for v, s in summaries.items():
+            by_step = {e["step"]: e for e in s["evals"]}
+            lines.append(f"| {label(v)} | " + " | ".join(
+                _cell(by_step[t][key], by_step[t][f"{key}_se"], ".3f") if key in by_step.get(t, {}) else "n/a"
+                for t in steps) + " |")
+    lines += ["", "### Verdicts", "", "| claim | measure | verdict |", "|---|---|---|"]
+    lines += [f"| {c['claim']} | {c['measure']} | {c['verdict']} |" for c in long["verdicts"]]
+    return "\n".join(lines) + "\n"
+
+
+def _load_checked(runs_dir: Path, variants: list[str]):
+    """Finished runs under ``runs_dir`` and their shared settings and CPU (refuses mixed settings)."""
     runs = load_runs(runs_dir, variants)
     if not runs:
         raise SystemExit(f"no finished runs under {runs_dir}")
@@ -487,6 +592,25 @@ def build_report(runs_dir: Path, variants: list[str], out_dir: Path) -> dict:
         for seed, (_, run) in seeds.items():
             if run["settings"] != settings:
                 raise SystemExit(f"{variant} seed {seed} ran with other settings than the rest; rerun it or remove it")
+    return runs, settings, cpu
+
+
+def build_long_horizon(runs_dir: Path, variants: list[str], out_dir: Path) -> dict:
+    """Window tables, Fig. 3 verdicts and figures of the long runs (the ``long_horizon`` entry)."""
+    runs, settings, cpu = _load_checked(runs_dir, variants)
+    questions = {"val": settings.get("n_val", 0), "train": settings.get("n_train", 0)}
+    summaries = {v: long_variant_summary({seed: long_seed_statistics(rows) for seed, (rows, _) in seeds.items()},
+                                         questions)
+                 for v, seeds in runs.items()}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = plot_long(runs, summaries, out_dir, settings["weight_bits"])
+    return {"settings": settings, "cpu": cpu, "window": LONG_WINDOW, "base_window": list(LONG_BASE),
+            "min_steps": LONG_MIN_STEPS, "drift_factor": DRIFT_FACTOR, "significance": SIGNIFICANCE,
+            "variants": summaries, "verdicts": long_horizon_checks(summaries), "figures": [p.name for p in figures]}
+
+
+def build_report(runs_dir: Path, variants: list[str], out_dir: Path, long_runs: Path | None = None) -> dict:
+    runs, settings, cpu = _load_checked(runs_dir, variants)
     is_cap, bits = settings["is_cap"], settings["weight_bits"]
     questions = {"val": settings.get("n_val", 0), "train": settings.get("n_train", 0)}
     summaries = {v: variant_summary({seed: seed_statistics(rows, is_cap, settings.get("max_grad_norm", 1.0))
@@ -497,8 +621,12 @@ def build_report(runs_dir: Path, variants: list[str], out_dir: Path) -> dict:
     figures = plot(runs, out_dir, bits, is_cap)
     result = {"settings": settings, "cpu": cpu, "variants": summaries, "claims": checks,
               "figures": [p.name for p in figures]}
+    text = markdown(summaries, checks, settings, cpu, bits)
+    if long_runs is not None:
+        result["long_horizon"] = build_long_horizon(long_runs, variants, out_dir)
+        text += "\n" + long_markdown(result["long_horizon"], result["long_horizon"]["settings"]["weight_bits"])
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, sort_keys=True, default=float) + "\n")
-    (out_dir / "results.md").write_text(markdown(summaries, checks, settings, cpu, bits))
+    (out_dir / "results.md").write_text(text)
     return result
 
 
@@ -507,10 +635,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--variants", nargs="+", default=list(VARIANT_LABELS))
+    ap.add_argument("--long-runs", type=Path, default=None,
+                    help="runs folder of the long-horizon study (>= 600 steps); adds its section to the report")
     a = ap.parse_args(argv)
-    result = build_report(a.runs, a.variants, a.out)
+    result = build_report(a.runs, a.variants, a.out, long_runs=a.long_runs)
     for c in result["claims"]:
         print(f"[report] {c['claim']}: {c['verdict']} ({c['measure']})")
+    for c in result.get("long_horizon", {}).get("verdicts", []):
+        print(f"[report] long horizon: {c['claim']}: {c['verdict']} ({c['measure']})")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ import statistics
 import pytest
 
 from qurl_recipes.study_report import (
+    build_long_horizon,
     build_report,
     claim_checks,
+    main,
     mean_se,
     seed_statistics,
     variant_summary,
@@ -156,3 +158,162 @@ def test_report_refuses_runs_with_different_settings(tmp_path):
                                                      "weight_bits": 5}, "cpu": {}}))
     with pytest.raises(SystemExit, match="other settings"):
         build_report(tmp_path, ["bf16"], tmp_path / "out")
+
+
+# --- long horizon (paper Fig. 3) ---------------------------------------------------------------
+
+LONG_SETTINGS = {"steps": 1000, "weight_bits": 5, "lr": 1e-5, "prompts_per_step": 4, "group_size": 2,
+                 "mini_batches": 2, "is_cap": C, "n_val": 64, "n_train": 64, "val_every": 25}
+
+
+def _long_rows(n_steps, kl, reward, val_every=25):
+    """Per-step records as grpo_study writes them; ``kl``/``reward`` map a step to its value."""
+    rows = []
+    for i in range(n_steps):
+        row = {"step": i, "reward": reward(i), "kl_k3": kl(i), "w_max": 3.0, "w_frac_above_c": 1e-3 * (1 + i % 3),
+               "clipfrac_upper": 1e-2 * (1 + i % 5), "sync_s": 0.01, "step_s": 1.0}
+        if i % val_every == 0:
+            row.update(val_acc=0.2 + i / 1e4, val_acc_full=0.3 + i / 1e4, train_acc_full=0.4 + i / 1e4)
+        rows.append(row)
+    rows.append({"step": n_steps, "val_acc": 0.25, "val_acc_full": 0.35, "train_acc_full": 0.45})
+    return rows
+
+
+def _rising(seed):  # flat to step 500, then climbing about 10x by step 1,000
+    return lambda i: 2e-3 * (1 + 0.05 * seed) * (1 + (i >= 500) * (i - 500) / 50) * (1 + 0.1 * (i % 2))
+
+
+def _flat(seed, level=2e-3):
+    return lambda i: level * (1 + 0.05 * seed) * (1 + 0.1 * (i % 2))
+
+
+def _improving(seed):
+    return lambda i: 0.1 + 2e-4 * i + 0.01 * seed
+
+
+def _write_long(root, variant, kl_of_seed, reward_of_seed, n_steps=1000, settings=LONG_SETTINGS):
+    for seed in (1, 2):
+        folder = root / variant / f"seed{seed}"
+        folder.mkdir(parents=True)
+        rows = _long_rows(n_steps, kl_of_seed(seed), reward_of_seed(seed))
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (folder / "run.json").write_text(json.dumps({"seed": seed, "variant": variant,
+                                                     "settings": {**settings, "steps": n_steps},
+                                                     "cpu": {"model": "x", "isa": "avx2"}}))
+    return root
+
+
+def _long_verdicts(long):
+    return {c["claim"]: c["verdict"] for c in long["verdicts"]}
+
+
+def test_long_horizon_reproduced_when_tis_drifts_and_acr_does_not(tmp_path):
+    runs = tmp_path / "long"
+    _write_long(runs, "tis", _rising, lambda s: (lambda i: 0.3 - 2e-4 * max(0, i - 600) + 0.01 * s))
+    _write_long(runs, "acr_no_uaq", _flat, _improving)
+    _write_long(runs, "bf16", lambda s: _flat(s, 3e-4), _improving)
+    long = build_long_horizon(runs, ["bf16", "tis", "acr_no_uaq", "acr_uaq"], tmp_path / "out")
+    v = _long_verdicts(long)
+    assert v == {"TIS drifts after ~500 steps": "reproduced", "ACR stays stable where TIS drifts": "reproduced"}
+    assert "acr_uaq" not in long["variants"]  # not run: no table, no claim
+    assert long["settings"]["steps"] == 1000
+    assert all((tmp_path / "out" / f).exists() for f in ("long_horizon_kl.png", "long_horizon_reward.png"))
+
+    # the window means are plain means over the steps of each window, per seed, then across seeds
+    tis = long["variants"]["tis"]
+    assert [(w["start"], w["end"]) for w in tis["windows"]] == [(a, a + 100) for a in range(0, 1000, 100)]
+    for k, w in enumerate(tis["windows"]):
+        per_seed = [statistics.fmean(_rising(s)(i) for i in range(100 * k, 100 * k + 100)) for s in (1, 2)]
+        assert math.isclose(tis["per_seed"][1]["windows"][k]["kl_k3"], per_seed[0])
+        assert math.isclose(w["kl_k3"], statistics.fmean(per_seed))
+        assert math.isclose(w["kl_k3_se"], statistics.stdev(per_seed) / math.sqrt(2))
+        steps = range(100 * k, 100 * k + 100)
+        assert math.isclose(w["clipfrac_upper"], statistics.fmean(1e-2 * (1 + i % 5) for i in steps))
+    acr = long["variants"]["acr_no_uaq"]
+    late = [statistics.fmean(_improving(s)(i) for i in range(900, 1000)) for s in (1, 2)]
+    assert math.isclose(acr["windows"][-1]["reward"], statistics.fmean(late))
+    # evaluations at every 100 steps, the final evaluation-only row included
+    assert [e["step"] for e in tis["evals"]] == list(range(0, 1001, 100))
+    assert math.isclose(tis["evals"][3]["train_acc_full"], 0.4 + 300 / 1e4)
+    assert math.isclose(tis["evals"][-1]["val_acc_full"], 0.35)
+
+    drift = long["verdicts"][0]["values"]
+    base = [statistics.fmean(_rising(s)(i) for i in range(400, 500)) for s in (1, 2)]
+    last = [statistics.fmean(_rising(s)(i) for i in range(900, 1000)) for s in (1, 2)]
+    assert math.isclose(drift["kl_late"], statistics.fmean(last))
+    assert math.isclose(drift["kl_base"], statistics.fmean(base))
+    assert math.isclose(drift["ratio"], statistics.fmean(last) / statistics.fmean(base)) and drift["ratio"] >= 2
+
+
+def test_long_horizon_flat_or_small_tis_rise_is_not_drift(tmp_path):
+    runs = _write_long(tmp_path / "flat", "tis", _flat, _improving)
+    _write_long(runs, "acr_no_uaq", _flat, _improving)
+    v = _long_verdicts(build_long_horizon(runs, ["tis", "acr_no_uaq"], tmp_path / "out"))
+    assert v == {"TIS drifts after ~500 steps": "not reproduced",
+                 "ACR stays stable where TIS drifts": "not testable (TIS does not drift)"}
+
+    # a rise of 1.5x is far beyond the seed noise but below the 2x that counts as drift
+    def step_up(seed):
+        return lambda i: 2e-3 * (1 + 0.01 * seed) * (1.5 if i >= 800 else 1)
+
+    small = _write_long(tmp_path / "small", "tis", step_up, _improving)
+    long = build_long_horizon(small, ["tis"], tmp_path / "out2")
+    drift = long["verdicts"][0]
+    assert drift["verdict"] == "not reproduced" and math.isclose(drift["values"]["ratio"], 1.5, rel_tol=1e-9)
+    assert drift["values"]["kl_rise"] > 2 * drift["values"]["kl_rise_se"]
+    assert _long_verdicts(long)["ACR stays stable where TIS drifts"] == "not testable (TIS does not drift)"
+
+
+def test_long_horizon_acr_that_drifts_too_is_not_reproduced(tmp_path):
+    runs = _write_long(tmp_path / "long", "tis", _rising, _improving)
+    _write_long(runs, "acr_no_uaq", _rising, _improving)
+    _write_long(runs, "acr_uaq", _flat, lambda s: (lambda i: 0.5 - 4e-4 * i + 0.01 * s))  # stable KL, reward falls
+    v = _long_verdicts(build_long_horizon(runs, ["tis", "acr_no_uaq", "acr_uaq"], tmp_path / "out"))
+    assert v["TIS drifts after ~500 steps"] == "reproduced"
+    assert v["ACR stays stable where TIS drifts"] == "not reproduced"
+    assert v["ACR + UAQ stays stable where TIS drifts"] == "not reproduced"
+
+
+def test_long_horizon_short_or_missing_runs_are_not_testable(tmp_path):
+    runs = _write_long(tmp_path / "short", "tis", _rising, _improving, n_steps=300)
+    _write_long(runs, "acr_no_uaq", _flat, _improving, n_steps=300)
+    long = build_long_horizon(runs, ["tis", "acr_no_uaq"], tmp_path / "out")
+    reason = "not testable (runs have 300 steps; at least 600 are needed for a 100-step window after step 500)"
+    assert _long_verdicts(long) == {"TIS drifts after ~500 steps": reason, "ACR stays stable where TIS drifts": reason}
+    assert len(long["variants"]["tis"]["windows"]) == 3
+
+    only_acr = _write_long(tmp_path / "acr_only", "acr_no_uaq", _flat, _improving)
+    assert set(_long_verdicts(build_long_horizon(only_acr, ["tis", "acr_no_uaq"], tmp_path / "out2")).values()) == \
+        {"not testable (no TIS runs)"}
+
+
+def test_long_runs_option_adds_a_section_and_leaves_the_200_step_report_alone(tmp_path):
+    settings = {"steps": 20, "weight_bits": 5, "lr": 1e-4, "prompts_per_step": 4, "group_size": 2, "mini_batches": 2,
+                "is_cap": C}
+    for variant in ("bf16", "tis"):
+        for seed in (1, 2):
+            folder = tmp_path / "runs" / variant / f"seed{seed}"
+            folder.mkdir(parents=True)
+            rows = _rows([0.01 * (i + seed) for i in range(20)], [1e-3 * seed] * 20, [1.0 + 0.1 * seed] * 20)
+            (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+            (folder / "run.json").write_text(json.dumps({"seed": seed, "variant": variant, "settings": settings,
+                                                         "cpu": {"model": "x", "isa": "avx2"}}))
+    long_runs = _write_long(tmp_path / "long", "tis", _rising, _improving)
+    _write_long(long_runs, "acr_no_uaq", _flat, _improving)
+
+    main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "plain")])
+    main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "with_long"), "--long-runs", str(long_runs)])
+    plain = json.loads((tmp_path / "plain" / "results.json").read_text())
+    with_long = json.loads((tmp_path / "with_long" / "results.json").read_text())
+    assert sorted(plain) == ["claims", "cpu", "figures", "settings", "variants"]
+    assert not any(f.startswith("long_horizon") for f in plain["figures"])
+    assert not (tmp_path / "plain" / "long_horizon_kl.png").exists()
+    long = with_long.pop("long_horizon")
+    assert with_long == plain  # the 200-step part is the same with or without the long runs
+    assert _long_verdicts(long)["TIS drifts after ~500 steps"] == "reproduced"
+    assert long["figures"] == ["long_horizon_kl.png", "long_horizon_reward.png"]
+    plain_md = (tmp_path / "plain" / "results.md").read_text()
+    long_md = (tmp_path / "with_long" / "results.md").read_text()
+    assert "Long horizon" not in plain_md
+    assert long_md.startswith(plain_md) and "## Long horizon" in long_md[len(plain_md):]
+    assert "| 900–1000 |" in long_md and "TIS drifts after ~500 steps" in long_md
