@@ -406,7 +406,8 @@ def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings,
         "variant": variant, "seed": seed, "settings": asdict(settings), "model_dir": str(model_dir),
         "cpu": cpu_description(), "wall_s": round(time.perf_counter() - t0, 1), "resumed_at": resumed_at,
     }, indent=1, sort_keys=True) + "\n")
-    checkpoint.unlink(missing_ok=True)  # only after run.json: until then a kill can still resume
+    for leftover in (checkpoint, checkpoint.with_name(checkpoint.name + ".tmp")):  # a .tmp if a save was killed
+        leftover.unlink(missing_ok=True)  # only after run.json: until then a kill can still resume
     return folder
 
 

@@ -135,8 +135,12 @@ def test_an_interrupted_run_resumes_bit_identical(tiny, tmp_path, monkeypatch, c
     """Killed during step 3 with a checkpoint after step 1: the resumed run drops the logged step 2, redoes
     it and ends where the uninterrupted run ends. A UAQ variant with per-group learning rates carries
     every piece of state: optimizer groups, quantized codes, and (6 questions, 2 per step) a queue
-    that is half used at the checkpoint and refilled after it; validation runs before and after it."""
+    that is half used at the checkpoint and refilled after it; validation runs before and after it.
+    The untrained model never answers right, so a stand-in reward (parity of the text's code points)
+    gives nonzero advantages, gradients and thus Adam moments that the resumed steps depend on."""
     folder, _, _ = tiny
+    monkeypatch.setattr(grpo_study, "exact_rewards",
+                        lambda texts, answers: torch.tensor([float(sum(map(ord, t)) % 2) for t in texts]))
     settings = StudySettings(steps=4, prompts_per_step=2, group_size=2, n_train=6, n_val=2, val_every=2,
                              max_response_tokens=8)
     variant = "acr_per_group_lr_uaq_clip"
@@ -155,6 +159,7 @@ def test_an_interrupted_run_resumes_bit_identical(tiny, tmp_path, monkeypatch, c
 
     assert _rows(cut) == _rows(whole)
     assert [r["step"] for r in _rows(cut)] == [0, 1, 2, 3, 4] and "changed_code_share" in _rows(cut)[2]
+    assert _rows(cut)[1]["grad_norm_max"] > 0 and _rows(cut)[2]["grad_norm_max"] > 0  # updates on both sides
     final_whole = torch.load(whole / "final_state_dict.pt")
     final_cut = torch.load(cut / "final_state_dict.pt")
     assert final_whole.keys() == final_cut.keys()

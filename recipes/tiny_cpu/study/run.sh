@@ -9,7 +9,9 @@
 # by side, one thread each; REPORT_ONLY=1 redraws the report from the runs under OUT; REPORT_DIR
 # (default: this folder) receives the figures and tables.
 # Extra arguments go to `python -m qurl_recipes.grpo_study` (e.g. --n-val 32 --prompts-per-step 8).
-# A run that finished with the same settings is kept; change a setting and it reruns.
+# A run that finished with the same settings is kept; change a setting and it reruns. An interrupted
+# run resumes from its last checkpoint (OUT/runs/<variant>/seed<k>/checkpoint.pt, every 50 steps;
+# --checkpoint-every N to change, 0 for none), with the same results as an uninterrupted one.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"
