@@ -49,9 +49,12 @@ def test_replica_actor_names_match_what_the_adapter_looks_up(server_module):
 
 
 def fake_server(quantization, architectures=("Qwen2ForCausalLM",)):
+    """What ``_apply_quantization`` reads: the rollout config, and vLLM's model config with a transformers config."""
+    from transformers import PretrainedConfig
+
     return SimpleNamespace(
         config=SimpleNamespace(quantization=quantization, custom=None),
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(architectures=list(architectures)), path="/models/x"),
+        model_config=SimpleNamespace(hf_config=PretrainedConfig(architectures=list(architectures)), path="/models/x"),
     )
 
 
