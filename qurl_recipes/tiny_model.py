@@ -178,9 +178,13 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(),
         torch_dtype=dtype,
     )
     torch.manual_seed(spec.seed)
-    model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
-    model.generation_config.eos_token_id = cfg.eos_token_id
-    model.generation_config.pad_token_id = cfg.pad_token_id
+    return _save(Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)), tokenizer, out, spec, dtype)
+
+
+def _save(model, tokenizer, out: Path, spec, dtype: str) -> Path:
+    """The model with its tokenizer and generation ids, and the record of what built it."""
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.pad_token_id = model.config.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     (out / "qurl_tiny_model.json").write_text(json.dumps({"spec": asdict(spec), "dtype": dtype}, indent=1, sort_keys=True) + "\n")
@@ -231,13 +235,7 @@ def build_tiny_moe_model(out_dir: str | Path, spec: TinyMoeSpec = TinyMoeSpec(),
         cfg = Qwen2MoeConfig(shared_expert_intermediate_size=spec.shared_expert_intermediate_size, **common)
         model_cls = Qwen2MoeForCausalLM
     torch.manual_seed(spec.seed)
-    model = model_cls(cfg).to(getattr(torch, dtype))
-    model.generation_config.eos_token_id = cfg.eos_token_id
-    model.generation_config.pad_token_id = cfg.pad_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    (out / "qurl_tiny_model.json").write_text(json.dumps({"spec": asdict(spec), "dtype": dtype}, indent=1, sort_keys=True) + "\n")
-    return out
+    return _save(model_cls(cfg).to(getattr(torch, dtype)), tokenizer, out, spec, dtype)
 
 
 def _cli_type(default):

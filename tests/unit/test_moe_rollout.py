@@ -25,17 +25,10 @@ from qurl_verl.settings import (
     quantized_share,
 )
 
-MOE_DIMS = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                moe_intermediate_size=64, intermediate_size=256, num_experts=8, num_experts_per_tok=2)
-
-
 def tiny_moe(kind: str):
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from test_uaq import tiny_moe_lm
 
-    torch.manual_seed(0)
-    if kind == "qwen3_moe":
-        return Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=32, **MOE_DIMS))
-    return Qwen2MoeForCausalLM(Qwen2MoeConfig(shared_expert_intermediate_size=64, **MOE_DIMS))
+    return tiny_moe_lm(kind)
 
 
 # ------------------------------------------------------------------------------------ settings

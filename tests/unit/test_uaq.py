@@ -306,25 +306,16 @@ MOE_MODEL_TYPES = ["qwen2_moe", "qwen3_moe"]
 GATE_UP = ("gate_proj", "up_proj")
 
 
+MOE_DIMS = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=32, moe_intermediate_size=64, intermediate_size=256, num_experts=8, num_experts_per_tok=2)
+
+
 def tiny_moe_lm(model_type, dtype=torch.float32, seed=0):
     """A 2-layer random Qwen2-MoE / Qwen3-MoE (8 experts, top 2); norms and biases randomised as in tiny_causal_lm."""
-    import transformers
+    from tiny_models import build_tiny_causal_lm
 
-    dims = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                moe_intermediate_size=64, intermediate_size=256, num_experts=8, num_experts_per_tok=2)
-    if model_type == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(head_dim=32, **dims)
-    else:
-        config = transformers.Qwen2MoeConfig(shared_expert_intermediate_size=64, **dims)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-            elif name.endswith(".bias"):
-                param.copy_(0.05 * torch.randn_like(param))
-    return model.to(dtype)
+    extra = {"shared_expert_intermediate_size": 64} if model_type == "qwen2_moe" else {}
+    return build_tiny_causal_lm(model_type, dtype, seed, **MOE_DIMS, **extra)
 
 
 # The fold rounds each scaled norm weight and q/k/v weight once in float32 (relative error <= U32); through two
