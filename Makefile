@@ -15,7 +15,7 @@ VLLM024_TESTS := tests/unit tests/integration tests/e2e/test_main_ppo_cpu.py::te
 	--deselect tests/unit/test_gpu_evidence_dry_run.py
 
 .PHONY: venv venv-vllm024 demo test test-vllm032 test-vllm024 test-install test-unit test-integration test-e2e \
-	bench report study clean-outputs
+	bench report study study-long clean-outputs
 
 venv:
 	@bash scripts/install_cpu_stack.sh 0.32
@@ -56,6 +56,11 @@ report: venv
 # the GRPO study at W5A8 mismatch: seven variants x two seeds, tables and figures in recipes/tiny_cpu/study/
 study: venv
 	bash recipes/tiny_cpu/study/run.sh
+
+# the paper's horizon (Fig. 3): BF16, TIS and ACR x two seeds x 1,000 steps, resumable; adds the
+# "Long horizon" section to the study's report
+study-long: venv
+	LONG_HORIZON=1 bash recipes/tiny_cpu/study/run.sh
 
 clean-outputs:
 	rm -rf outputs

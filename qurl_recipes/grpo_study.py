@@ -132,6 +132,7 @@ class Rollout:
     response_mask: torch.Tensor  # [N, L] response tokens up to and including EOS
     behaviour_log_probs: torch.Tensor  # [N, L] log pi_behav of the sampled tokens (float32)
     texts: list[str]
+    behaviour_entropy: torch.Tensor  # [N, L] entropy of pi_behav at each response position (nats)
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -152,13 +153,15 @@ def sample(policy: nn.Module, tokenizer, prompts: list[str], group_size: int, ma
     prompt_len = enc["input_ids"].shape[1]
     response = out.sequences[:, prompt_len:]
     logits = torch.stack(out.logits, dim=1).float()  # [N, L, V], raw (temperature 1, no top-k/p)
-    behaviour = torch.log_softmax(logits, dim=-1).gather(-1, response[..., None]).squeeze(-1)
+    log_p = torch.log_softmax(logits, dim=-1)
+    behaviour = log_p.gather(-1, response[..., None]).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).nan_to_num().sum(-1)  # 0 * log 0 = 0 where top-k masked a token
     is_eos = response == tokenizer.eos_token_id
     ended_before = (is_eos.cumsum(-1) - is_eos.long()) > 0  # an EOS strictly earlier in the row
     response_mask = ~ended_before
     attention_mask = torch.cat([enc["attention_mask"], response_mask.long()], dim=1)
     texts = tokenizer.batch_decode(response, skip_special_tokens=True)
-    return Rollout(out.sequences, attention_mask, response_mask, behaviour, texts)
+    return Rollout(out.sequences, attention_mask, response_mask, behaviour, texts, entropy)
 
 
 def response_log_probs(model: nn.Module, rollout: Rollout, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
@@ -284,6 +287,9 @@ class StudyRun:
             prox = response_log_probs(self.model, rollout)
         log_w = prox - rollout.behaviour_log_probs
         record.update(mismatch_stats(log_w, mask, s.is_cap))
+        # how peaked the sampled policy is: a sharpening policy's log-probs move less under the same
+        # weight error, so KL(behav||prox) can fall while the quantization error stays the same
+        record["entropy"] = masked_mean(rollout.behaviour_entropy, mask)
         advantages = group_normalised_advantages(rewards, s.group_size)[:, None].expand_as(mask)
         old = rollout.behaviour_log_probs if v.loss == "naive" else prox
         loss_log_w = log_w if v.loss in ("tis", "acr") else torch.zeros_like(log_w)

@@ -6,7 +6,8 @@ variation, not step-to-step noise. A difference between two variants counts only
 the standard error of the difference (sqrt(se_a^2 + se_b^2)). Pure Python + matplotlib.
 
 ``--long-runs`` adds a long-horizon section (paper Fig. 3: TIS drifts after ~500 steps, ACR does
-not) from a separate set of runs of >= 600 steps, in 100-step windows.
+not) from a separate set of runs of >= 600 steps, in 100-step windows; without ``--runs`` it adds
+that section to the report already in ``--out`` and leaves the rest of it as it is.
 """
 from __future__ import annotations
 
@@ -225,9 +226,12 @@ DRIFT_FACTOR = 2.0
 # the acr variants that bound is ACR's (1 + eps_high) / r, for tis and bf16 the fixed 1 + eps_high,
 # so the one column compares the bound each variant trains with. w_frac_above_c (w > C, r < 1) is
 # where ACR widens the bound at all (elsewhere ACR is TIS): it says where ACR acts, not where its
-# bound binds, and is kept alongside for that reason.
-LONG_WINDOW_KEYS = ("kl_k3", "reward", "clipfrac_upper", "w_frac_above_c")
+# bound binds, and is kept alongside for that reason. entropy (of the sampled policy, nats per
+# response token; runs from before it was logged show n/a) tells whether the KL moves with how
+# peaked the policy is rather than with the weight error.
+LONG_WINDOW_KEYS = ("kl_k3", "reward", "clipfrac_upper", "w_frac_above_c", "entropy")
 LONG_EVAL_KEYS = {"train_acc_full": "train", "val_acc_full": "val", "val_acc": "val"}  # key -> question set
+LONG_SECTION = "## Long horizon"  # the heading that starts the long-horizon part of results.md
 LONG_ACR = {"acr_no_uaq": "ACR stays stable where TIS drifts", "acr_uaq": "ACR + UAQ stays stable where TIS drifts"}
 
 
@@ -544,10 +548,11 @@ def _cell(m: float, se: float, spec: str) -> str:
 def long_markdown(long: dict, bits: int) -> str:
     """The "Long horizon" section of results.md."""
     st, summaries = long["settings"], long["variants"]
-    lines = ["## Long horizon", "",
+    cpu = long.get("cpu", {})
+    lines = [LONG_SECTION, "",
              f"Weight bits {bits}, {st['steps']} steps, lr {st['lr']:g}, {st['prompts_per_step']} prompts × "
              f"{st['group_size']} samples, {st.get('mini_batches', 1)} updates per rollout, C = {st['is_cap']:g}. "
-             f"Windows of {LONG_WINDOW} steps; values: mean ± standard error across seeds. TIS drift compares the "
+             f"CPU: {cpu.get('model', '?')} ({cpu.get('isa', '?')}). Windows of {LONG_WINDOW} steps; values: mean ± standard error across seeds. TIS drift compares the "
              f"last window with steps {_window_name(LONG_BASE)}."]
 
     def label(v):
@@ -558,7 +563,8 @@ def long_markdown(long: dict, bits: int) -> str:
                              ("reward", "Train reward per window", ".3f"),
                              ("clipfrac_upper", "Share of tokens where the upper clip bound binds (clipfrac_upper; "
                                                 "ACR's adaptive bound for the ACR variants)", ".2e"),
-                             ("w_frac_above_c", "Share of tokens with w > C (where ACR widens the bound)", ".2e")):
+                             ("w_frac_above_c", "Share of tokens with w > C (where ACR widens the bound)", ".2e"),
+                             ("entropy", "Entropy of the sampled policy (nats per response token)", ".3f")):
         lines += ["", f"### {title}", "", "| variant | seeds | " + " | ".join(_window_name(w) for w in spans) + " |",
                   "|---|---|" + "---:|" * len(spans)]
         for v, s in summaries.items():
@@ -609,6 +615,25 @@ def build_long_horizon(runs_dir: Path, variants: list[str], out_dir: Path) -> di
             "variants": summaries, "verdicts": long_horizon_checks(summaries), "figures": [p.name for p in figures]}
 
 
+def add_long_horizon(long_runs: Path, variants: list[str], out_dir: Path) -> dict:
+    """Adds (or replaces) the long-horizon part of the report already in ``out_dir``.
+
+    The 200-step part stays as it was written, so the long runs can be added on another day or
+    machine than the 200-step ones, which need not be on disk any more.
+    """
+    json_path, md_path = out_dir / "results.json", out_dir / "results.md"
+    if not (json_path.exists() and md_path.exists()):
+        raise SystemExit(f"no report in {out_dir} (results.json, results.md) to add the long horizon to; "
+                         "build it with --runs first")
+    result = json.loads(json_path.read_text())
+    result["long_horizon"] = build_long_horizon(long_runs, variants, out_dir)
+    head = md_path.read_text().split("\n" + LONG_SECTION + "\n")[0]
+    text = head + "\n" + long_markdown(result["long_horizon"], result["long_horizon"]["settings"]["weight_bits"])
+    json_path.write_text(json.dumps(result, indent=1, sort_keys=True, default=float) + "\n")
+    md_path.write_text(text)
+    return result
+
+
 def build_report(runs_dir: Path, variants: list[str], out_dir: Path, long_runs: Path | None = None) -> dict:
     runs, settings, cpu = _load_checked(runs_dir, variants)
     is_cap, bits = settings["is_cap"], settings["weight_bits"]
@@ -632,13 +657,19 @@ def build_report(runs_dir: Path, variants: list[str], out_dir: Path, long_runs: 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Tables, claims and figures of the GRPO study.")
-    ap.add_argument("--runs", required=True, type=Path)
+    ap.add_argument("--runs", type=Path, default=None,
+                    help="runs folder of the 200-step study; without it, --long-runs updates the report in --out")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--variants", nargs="+", default=list(VARIANT_LABELS))
     ap.add_argument("--long-runs", type=Path, default=None,
                     help="runs folder of the long-horizon study (>= 600 steps); adds its section to the report")
     a = ap.parse_args(argv)
-    result = build_report(a.runs, a.variants, a.out, long_runs=a.long_runs)
+    if a.runs is None and a.long_runs is None:
+        ap.error("give --runs (the 200-step study), --long-runs (the long horizon) or both")
+    if a.runs is None:
+        result = add_long_horizon(a.long_runs, a.variants, a.out)
+    else:
+        result = build_report(a.runs, a.variants, a.out, long_runs=a.long_runs)
     for c in result["claims"]:
         print(f"[report] {c['claim']}: {c['verdict']} ({c['measure']})")
     for c in result.get("long_horizon", {}).get("verdicts", []):

@@ -28,3 +28,31 @@ def test_study_recipe_runs_seeds_in_parallel_and_reports(tmp_path):
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0
     assert "finished earlier, kept" in (tmp_path / "out" / "seed1.log").read_text()
+
+
+def test_long_horizon_recipe_adds_its_section_to_the_existing_report(tmp_path):
+    """LONG_HORIZON=1 (`make study-long`): its own runs, and a section added to the report in REPORT_DIR."""
+    small = ["--n-val", "4", "--prompts-per-step", "2", "--group-size", "2", "--max-response-tokens", "8",
+             "--n-train", "4"]
+    base = dict(os.environ, PYTHON=sys.executable, REPORT_DIR=str(tmp_path / "report"), SFT_STEPS="4", SEEDS="1 2")
+    short = subprocess.run(["bash", str(REPO / "recipes/tiny_cpu/study/run.sh"), *small],
+                           env=dict(base, OUT=str(tmp_path / "out"), STEPS="2", VARIANTS="bf16 tis"),
+                           capture_output=True, text=True, timeout=600)
+    assert short.returncode == 0, short.stdout[-3000:] + short.stderr[-3000:]
+    before = json.loads((tmp_path / "report" / "results.json").read_text())
+    md_before = (tmp_path / "report" / "results.md").read_text()
+
+    long = subprocess.run(["bash", str(REPO / "recipes/tiny_cpu/study/run.sh"), *small],
+                          env=dict(base, LONG_HORIZON="1", OUT=str(tmp_path / "out_long"), STEPS="3"),
+                          capture_output=True, text=True, timeout=600)
+    assert long.returncode == 0, long.stdout[-3000:] + long.stderr[-3000:]
+    # the long-horizon default variants ran, each for the long runs' own number of steps
+    assert {p.parent.parent.name for p in (tmp_path / "out_long" / "runs").glob("*/seed1/run.json")} == \
+        {"bf16", "tis", "acr_no_uaq"}
+    after = json.loads((tmp_path / "report" / "results.json").read_text())
+    long_horizon = after.pop("long_horizon")
+    assert after == before  # the 200-step part is left as it was
+    assert long_horizon["settings"]["steps"] == 3 and set(long_horizon["variants"]) == {"bf16", "tis", "acr_no_uaq"}
+    assert long_horizon["verdicts"][0]["verdict"].startswith("not testable (runs have 3 steps")
+    md_after = (tmp_path / "report" / "results.md").read_text()
+    assert md_after.startswith(md_before) and "## Long horizon" in md_after[len(md_before):]

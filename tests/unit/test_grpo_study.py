@@ -61,6 +61,23 @@ def test_behaviour_log_probs_are_the_rollout_policy_s_own(tiny, variant):
         assert on[row].tolist() == [True] * length + [False] * (on.shape[1] - length)
 
 
+def test_behaviour_entropy_is_the_rollout_policy_s_own(tiny):
+    """The per-position entropy kept from sampling equals -sum p log p in float64 over a full forward of
+    the same W5A8 policy. Tolerance: float32 logits (as for the log-probs above, measured ~1e-6)."""
+    folder, model, tok = tiny
+    policy = build_rollout(model, VARIANTS["tis"], weight_bits=5)
+    out = sample(policy, tok, _prompts(tok), group_size=3, max_new_tokens=12, seed=1)
+    length = out.response_mask.shape[1]
+    with torch.no_grad():
+        logits = policy(input_ids=out.sequences, attention_mask=out.attention_mask,
+                        position_ids=(out.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits
+    log_p = torch.log_softmax(logits[:, -length - 1:-1].double(), dim=-1)
+    reference = -(log_p.exp() * log_p).sum(-1)
+    on = out.response_mask
+    assert reference[on].min() > 0.01  # a sampled policy that is not already deterministic
+    assert (out.behaviour_entropy.double() - reference)[on].abs().max() <= 1e-4
+
+
 def test_quantized_rollout_holds_b_bit_codes_of_the_current_weights(tiny):
     _, model, _ = tiny
     codes = quantized_codes(build_rollout(model, VARIANTS["tis"], weight_bits=5))

@@ -10,6 +10,7 @@ import pytest
 from qurl_recipes.study_report import (
     build_long_horizon,
     build_report,
+    long_markdown,
     claim_checks,
     main,
     mean_se,
@@ -166,12 +167,16 @@ LONG_SETTINGS = {"steps": 1000, "weight_bits": 5, "lr": 1e-5, "prompts_per_step"
                  "mini_batches": 2, "is_cap": C, "n_val": 64, "n_train": 64, "val_every": 25}
 
 
+def _entropy(i):  # a policy that sharpens as it trains
+    return 0.5 / (1 + i / 200)
+
+
 def _long_rows(n_steps, kl, reward, val_every=25):
     """Per-step records as grpo_study writes them; ``kl``/``reward`` map a step to its value."""
     rows = []
     for i in range(n_steps):
         row = {"step": i, "reward": reward(i), "kl_k3": kl(i), "w_max": 3.0, "w_frac_above_c": 1e-3 * (1 + i % 3),
-               "clipfrac_upper": 1e-2 * (1 + i % 5), "sync_s": 0.01, "step_s": 1.0}
+               "clipfrac_upper": 1e-2 * (1 + i % 5), "entropy": _entropy(i), "sync_s": 0.01, "step_s": 1.0}
         if i % val_every == 0:
             row.update(val_acc=0.2 + i / 1e4, val_acc_full=0.3 + i / 1e4, train_acc_full=0.4 + i / 1e4)
         rows.append(row)
@@ -229,6 +234,7 @@ def test_long_horizon_reproduced_when_tis_drifts_and_acr_does_not(tmp_path):
         assert math.isclose(w["kl_k3_se"], statistics.stdev(per_seed) / math.sqrt(2))
         steps = range(100 * k, 100 * k + 100)
         assert math.isclose(w["clipfrac_upper"], statistics.fmean(1e-2 * (1 + i % 5) for i in steps))
+        assert math.isclose(w["entropy"], statistics.fmean(_entropy(i) for i in steps))
     acr = long["variants"]["acr_no_uaq"]
     late = [statistics.fmean(_improving(s)(i) for i in range(900, 1000)) for s in (1, 2)]
     assert math.isclose(acr["windows"][-1]["reward"], statistics.fmean(late))
@@ -243,6 +249,12 @@ def test_long_horizon_reproduced_when_tis_drifts_and_acr_does_not(tmp_path):
     assert math.isclose(drift["kl_late"], statistics.fmean(last))
     assert math.isclose(drift["kl_base"], statistics.fmean(base))
     assert math.isclose(drift["ratio"], statistics.fmean(last) / statistics.fmean(base)) and drift["ratio"] >= 2
+
+    # the entropy table: one cell per window, seeds agree (same values), so no standard error shown
+    text = long_markdown(long, 5)
+    entropy_table = text.split("### Entropy of the sampled policy")[1].split("###")[0]
+    first = statistics.fmean(_entropy(i) for i in range(100))
+    assert f"| W5A8 + TIS | 2 | {first:.3f} ± 0.000 |" in entropy_table
 
 
 def test_long_horizon_flat_or_small_tis_rise_is_not_drift(tmp_path):
@@ -317,3 +329,37 @@ def test_long_runs_option_adds_a_section_and_leaves_the_200_step_report_alone(tm
     assert "Long horizon" not in plain_md
     assert long_md.startswith(plain_md) and "## Long horizon" in long_md[len(plain_md):]
     assert "| 900–1000 |" in long_md and "TIS drifts after ~500 steps" in long_md
+
+
+def test_long_runs_alone_extend_the_existing_report_as_building_both_at_once_does(tmp_path):
+    """The long horizon can be added later, without the 200-step runs: the same files as one build."""
+    settings = {"steps": 20, "weight_bits": 5, "lr": 1e-4, "prompts_per_step": 4, "group_size": 2, "mini_batches": 2,
+                "is_cap": C}
+    for seed in (1, 2):
+        folder = tmp_path / "runs" / "tis" / f"seed{seed}"
+        folder.mkdir(parents=True)
+        rows = _rows([0.01 * (i + seed) for i in range(20)], [1e-3 * seed] * 20, [1.0 + 0.1 * seed] * 20)
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        (folder / "run.json").write_text(json.dumps({"seed": seed, "variant": "tis", "settings": settings,
+                                                     "cpu": {"model": "x", "isa": "avx2"}}))
+    long_runs = _write_long(tmp_path / "long", "tis", _rising, _improving)
+    _write_long(long_runs, "acr_no_uaq", _flat, _improving)
+    at_once, later = tmp_path / "at_once", tmp_path / "later"
+
+    with pytest.raises(SystemExit, match="no report in"):
+        main(["--long-runs", str(long_runs), "--out", str(later)])
+    main(["--runs", str(tmp_path / "runs"), "--out", str(at_once), "--long-runs", str(long_runs)])
+    main(["--runs", str(tmp_path / "runs"), "--out", str(later)])
+    plain_md = (later / "results.md").read_text()
+    main(["--long-runs", str(long_runs), "--out", str(later)])
+    for name in ("results.json", "results.md"):
+        assert (later / name).read_text() == (at_once / name).read_text()
+    assert (later / "results.md").read_text().startswith(plain_md)
+
+    # a second pass replaces the long-horizon part instead of appending another one
+    flat_runs = _write_long(tmp_path / "flat", "tis", _flat, _improving)
+    main(["--long-runs", str(flat_runs), "--out", str(later)])
+    md = (later / "results.md").read_text()
+    assert md.count("## Long horizon") == 1 and md.startswith(plain_md)
+    assert _long_verdicts(json.loads((later / "results.json").read_text())["long_horizon"])[
+        "TIS drifts after ~500 steps"] == "not reproduced"

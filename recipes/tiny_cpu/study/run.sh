@@ -8,6 +8,9 @@
 # VARIANTS (default: all seven) and SEEDS (default "1 2"); JOBS (default 2) runs that many seeds side
 # by side, one thread each; REPORT_ONLY=1 redraws the report from the runs under OUT; REPORT_DIR
 # (default: this folder) receives the figures and tables.
+# LONG_HORIZON=1 (`make study-long`) runs the paper's horizon instead (Fig. 3): defaults OUT
+# outputs/tiny_cpu_study_long, STEPS 1000, VARIANTS "bf16 tis acr_no_uaq", and adds its "Long horizon"
+# section to the report already in REPORT_DIR, leaving the 200-step part as it is.
 # Extra arguments go to `python -m qurl_recipes.grpo_study` (e.g. --n-val 32 --prompts-per-step 8).
 # A run that finished with the same settings is kept; change a setting and it reruns. An interrupted
 # run resumes from its last checkpoint (OUT/runs/<variant>/seed<k>/checkpoint.pt, every 50 steps;
@@ -17,12 +20,21 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../../.." && pwd)"
 cd "$root"
 py="${PYTHON:-$root/.venv/bin/python}"
-out="${OUT:-$root/outputs/tiny_cpu_study}"
-variants="${VARIANTS:-bf16 naive tis acr_no_uaq acr_uaq acr_per_group_lr acr_per_group_lr_uaq_clip}"
+long="${LONG_HORIZON:-0}"
+[[ "$long" == 0 || "$long" == 1 ]] || { echo "[study] LONG_HORIZON must be 0 or 1, got '$long'" >&2; exit 2; }
+if [[ "$long" == 1 ]]; then
+  out="${OUT:-$root/outputs/tiny_cpu_study_long}"
+  variants="${VARIANTS:-bf16 tis acr_no_uaq}"
+  steps="${STEPS:-1000}"
+else
+  out="${OUT:-$root/outputs/tiny_cpu_study}"
+  variants="${VARIANTS:-bf16 naive tis acr_no_uaq acr_uaq acr_per_group_lr acr_per_group_lr_uaq_clip}"
+  steps="${STEPS:-200}"
+fi
 seeds="${SEEDS:-1 2}"
 jobs="${JOBS:-2}"
 sft_steps="${SFT_STEPS:-900}"
-settings=(--steps "${STEPS:-200}" --weight-bits "${WEIGHT_BITS:-5}" --lr "${LR:-1e-5}")
+settings=(--steps "$steps" --weight-bits "${WEIGHT_BITS:-5}" --lr "${LR:-1e-5}")
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 mkdir -p "$out"
 
@@ -50,5 +62,6 @@ if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
   done
   for p in "${pids[@]}"; do wait "$p" || { echo "[study] a run failed; logs: $out/seed*.log" >&2; exit 1; }; done
 fi
+if [[ "$long" == 1 ]]; then report=(--long-runs "$out/runs"); else report=(--runs "$out/runs"); fi
 # shellcheck disable=SC2086
-"$py" -m qurl_recipes.study_report --runs "$out/runs" --variants $variants --out "${REPORT_DIR:-$here}"
+"$py" -m qurl_recipes.study_report "${report[@]}" --variants $variants --out "${REPORT_DIR:-$here}"
