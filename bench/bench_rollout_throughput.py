@@ -175,6 +175,10 @@ def run_block(model_dir: Path, trainer, fmt: str, args, prompts, fid, first: boo
     block = {"format": fmt, "load_before": load_before, "engine_init_s": init_s, "runs": {}}
     try:
         harness.sync_weights(llm, trainer.named_tensors(), bucket_mb=256, weight_bits=weight_bits(fmt))
+        if fmt.startswith("int"):  # which GEMM the engine's INT8 linears hold, as it reports them
+            from qurl_verl.rollout.int8_gemm_report import count
+
+            block["int8_gemms"] = count(llm.collective_rpc("qurl_int8_gemms")[0])
         if fid["sets"] is None:  # the first BF16 block fixes the sequences every format scores
             assert fmt == "bf16"
             fid["sets"] = bf16_sequences(llm, prompts[:N_FIDELITY], args.fidelity_tokens)
@@ -229,6 +233,9 @@ def markdown(report: dict) -> str:
         f"({', '.join(b['format'] for b in report['blocks'])}), {report['args']['reps']} timed repeats per "
         f"setting per block after a warm-up; figures are medians over all repeats.",
         f"Load average (1 min) at block starts: {', '.join('%.2f' % b['load_before'][0] for b in report['blocks'])}.",
+        "INT8 GEMMs, as the engines report them: " + ("; ".join(
+            f"{f}: " + ", ".join(f"{n} x{c}" for n, c in g.items()) if isinstance(g, dict) else f"{f}: {g} (inferred)"
+            for f, g in report.get("int8_gemm", {}).items()) or "none run") + ".",
         "",
         "| batch | max_tokens | BF16 tok/s | " + " | ".join(f"{f.upper()} tok/s | {f.upper()}/BF16" for f in others) + " |",
         "|---:|---:|---:|" + "---:|---:|" * len(others),
@@ -354,7 +361,9 @@ def main() -> None:
             "cpu_int8_gemm_avx2.cpp, QURL_VERL_CPU_INT8_GEMM=auto), `int8_onednn` oneDNN's split (every INT8 "
             "GEMM as two 7-bit GEMMs, QURL_VERL_CPU_INT8_GEMM=onednn). Both compute the same W8A8 codes "
             "exactly." if saturates else
-            "oneDNN int8 does not saturate on this CPU: INT8 GEMMs run vLLM's oneDNN kernel unchanged.",
+            "oneDNN int8 does not saturate on this CPU: no INT8 GEMM is changed by the saturation patch.",
+            "`int8_gemm` names the GEMM each INT8 engine's linears ran, as the engine reports it "
+            "(qurl_verl/rollout/int8_gemm_report.py: amx_sgl, onednn, avx2_packed, onednn_split).",
             "FP8 per-channel has no fast CPU kernel; its figures only show the path works, at short outputs.",
             f"Weights are random, init {args.init!r} (bench/bench_models.py; see bench/results/fidelity_diagnosis.md "
             "for why the init matters for fidelity); speed does not depend on them.",
@@ -362,11 +371,7 @@ def main() -> None:
             "estimate (it can be negative); greedy-set deltas are a worst-case-leaning view (argmax tokens).",
         ],
     }
-    from qurl_verl.platform import cpu_int8_gemm
-
-    packed = saturates and cpu_int8_gemm.load()
-    report["int8_gemm"] = {f: ("onednn_split" if int8_gemm_choice(f) == "onednn" or not packed else "avx2_packed")
-                           if saturates else "onednn" for f in args.formats if f.startswith("int")}
+    report["int8_gemm"] = {}  # format -> {GEMM: linears}, read from each INT8 engine after its first sync
     out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp) / args.model, args.model, args.init)
@@ -388,6 +393,8 @@ def main() -> None:
                 break
             first = fmt not in fid["scores"]
             report["blocks"].append(run_block(model_dir, trainer, fmt, args, prompts, fid, first))
+            if "int8_gemms" in report["blocks"][-1]:
+                report["int8_gemm"].setdefault(fmt, report["blocks"][-1]["int8_gemms"])
             report["fidelity"] = {f: fidelity(fid["scores"], f) for f in fid["scores"] if f != "bf16"}
             report["summary"] = summarize(report)
             report["elapsed_s"] = time.perf_counter() - start

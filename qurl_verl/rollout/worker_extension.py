@@ -20,7 +20,7 @@ reads the embedding's Parameter, reloaded under the embedding's name.
 
 On CPU, vLLM-CPU work-arounds (``qurl_verl.patches.vllm_cpu_worker``): before the model loads, the
 oneDNN weight-scale keep-alive (needed by every reload), exact INT8 GEMMs on CPUs whose oneDNN int8
-kernel saturates (no VNNI) and 0.24's MoE SiLU fallback; after every reload, the tied lm_head refresh
+kernel saturates (no VNNI), oneDNN for fp32 INT8 linears on AMX CPUs and 0.24's MoE SiLU fallback; after every reload, the tied lm_head refresh
 and the re-packing of full-precision MoE experts.
 
 vLLM copies the processed tensors into the storage the engine already uses, so CUDA graphs and
@@ -42,6 +42,7 @@ from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from verl.workers.rollout.vllm_rollout.weight_update_utils import apply_buffer_updates
 
 from qurl_verl.patches.vllm_cpu_worker import (
+    vllm_cpu_int8_fp32_onednn,
     vllm_cpu_int8_saturation,
     vllm_cpu_moe_prepack_refresh,
     vllm_cpu_moe_silu,
@@ -51,7 +52,7 @@ from qurl_verl.patches.vllm_cpu_worker import (
 from qurl_verl.quant import UpdateVisibilityTracker
 from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
 from qurl_verl.settings import DEFAULT_WEIGHT_BITS, RolloutSettings
-from qurl_verl.rollout import vllm_versions
+from qurl_verl.rollout import int8_gemm_report, vllm_versions
 from qurl_verl.rollout.weight_stream import TIED_LM_HEAD_NAMES, WeightStreamQuantizer, tied_output_embedding
 
 logger = logging.getLogger("qurl_verl")
@@ -116,6 +117,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         if current_platform.is_cpu():
             vllm_cpu_onednn_scale_keepalive.apply()
             vllm_cpu_int8_saturation.apply()
+            vllm_cpu_int8_fp32_onednn.apply()
             vllm_cpu_moe_silu.apply()
 
     def _refresh_after_reload(self, model: torch.nn.Module) -> None:
@@ -176,6 +178,10 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
     def qurl_last_sync(self) -> dict | None:
         return asdict(self._qurl_last_sync) if self._qurl_last_sync is not None else None
+
+    def qurl_int8_gemms(self) -> dict[str, str]:
+        """{module name: GEMM} of every INT8 linear as the engine holds it now (``int8_gemm_report``)."""
+        return int8_gemm_report.int8_gemms(self.model_runner.model)
 
     # ------------------------------------------------------------------ the reload itself
 
@@ -270,6 +276,10 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
                 stats.update_to_error_ratio = overall["update_to_error_ratio"]
         self._qurl_syncs += 1
         self._qurl_last_sync = stats
+        if stats.sync == 1 and stats.quantized:
+            gemms = int8_gemm_report.count(int8_gemm_report.int8_gemms(model))
+            if gemms:
+                logger.warning("qurl_vllm: INT8 linears run %s (pid %d)", gemms, os.getpid())
         logger.info("qurl_vllm weight sync %d (%s): %s", stats.sync, settings.format.value, stats.as_metrics(prefix=""))
 
     def _qurl_param_dtypes(self, model: torch.nn.Module) -> dict[str, torch.dtype]:

