@@ -233,7 +233,7 @@ def markdown(report: dict) -> str:
         f"({', '.join(b['format'] for b in report['blocks'])}), {report['args']['reps']} timed repeats per "
         f"setting per block after a warm-up; figures are medians over all repeats.",
         f"Load average (1 min) at block starts: {', '.join('%.2f' % b['load_before'][0] for b in report['blocks'])}.",
-        "INT8 GEMMs, as the engines report them: " + ("; ".join(
+        "INT8 GEMMs as the engines report them ('inferred': a run from before the report): " + ("; ".join(
             f"{f}: " + ", ".join(f"{n} x{c}" for n, c in g.items()) if isinstance(g, dict) else f"{f}: {g} (inferred)"
             for f, g in report.get("int8_gemm", {}).items()) or "none run") + ".",
         "",

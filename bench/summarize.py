@@ -31,7 +31,8 @@ def int8_gemm_text(rt: dict) -> str:
     if paths is None:
         return "oneDNN split, measured before the packed AVX2 GEMM existed" if rt["machine"].get(
             "onednn_int8_saturates") else "oneDNN"
-    return ", ".join(f"{f} {p}" for f, p in paths.items())
+    # {format: {GEMM: linears}} as the engines report them; a plain name where a run predates that report
+    return ", ".join(f"{f} " + ("/".join(p) if isinstance(p, dict) else p) for f, p in paths.items())
 
 
 def throughput_row(cpu_class: str, rt: dict) -> str:
