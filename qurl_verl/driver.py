@@ -357,7 +357,10 @@ def check_config(cfg: Any, log=print) -> QurlSettings:
         if cpu_platform_selected() or select(cfg, "trainer.device") == "cpu":
             import torch
 
-            warning = check_cpu_rollout_format(settings.rollout, amx=bool(torch.cpu._is_amx_tile_supported()))
+            from qurl_verl.platform.cpu_features import cpu_flags
+
+            warning = check_cpu_rollout_format(settings.rollout, amx=bool(torch.cpu._is_amx_tile_supported()),
+                                               amx_fp8="amx_fp8" in cpu_flags())
             if warning:
                 logger.warning(warning)
             prepare_cpu_int8_gemm(settings.rollout)

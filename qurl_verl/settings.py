@@ -486,12 +486,20 @@ def quantized_share(hf_config: Mapping, settings: RolloutSettings) -> dict[str, 
     }
 
 
-def check_cpu_rollout_format(settings: RolloutSettings, amx: bool) -> str | None:
-    """FP8 on a CPU: block FP8 needs AMX (error); per-channel FP8 is emulated (returns a warning)."""
+def check_cpu_rollout_format(settings: RolloutSettings, amx: bool, amx_fp8: bool = False) -> str | None:
+    """FP8 on a CPU: block FP8 needs AMX (error) and runs W8A16 without AMX-FP8 (returns a warning); per-channel
+    FP8 is emulated (returns a warning)."""
     if settings.format is RolloutFormat.FP8_BLOCK and not amx:
         raise QurlConfigError(
             f"{QUANTIZATION_KEY}=fp8_block needs a CPU with AMX (Sapphire Rapids or newer): vLLM-CPU has no other "
             f"block-FP8 kernel. Use {QUANTIZATION_KEY}=fp8 (per-channel, slow on CPU) or =int8 (fast on CPU)."
+        )
+    if settings.format is RolloutFormat.FP8_BLOCK and not amx_fp8:
+        # vLLM-CPU's CPUFp8BlockScaledMMKernel ("W8A16 ... Input stays BF16"); W8A8 only with AMX-FP8 (0.32)
+        return (
+            f"{ROLLOUT_NAME}: {QUANTIZATION_KEY}=fp8_block on a CPU without AMX-FP8 runs vLLM-CPU's W8A16 block-FP8 "
+            "kernel: FP8 weights, bf16 activations, so the rollout is not the W8A8 model (its mismatch is smaller). "
+            f"{QUANTIZATION_KEY}=int8 runs W8A8 here."
         )
     if settings.format is RolloutFormat.FP8:
         return (

@@ -139,7 +139,14 @@ def test_block_fp8_on_gpu_hosts_is_not_checked_against_the_cpu(tmp_path, monkeyp
 
 
 def test_block_fp8_with_amx_is_allowed():
-    assert check_cpu_rollout_format(RolloutSettings(format="fp8_block"), amx=True) is None
+    assert check_cpu_rollout_format(RolloutSettings(format="fp8_block"), amx=True, amx_fp8=True) is None
+
+
+def test_block_fp8_without_amx_fp8_warns_that_activations_stay_bf16():
+    """vLLM-CPU runs block FP8 W8A8 only on AMX-FP8 CPUs; on other AMX CPUs its kernel keeps bf16 activations."""
+    warning = check_cpu_rollout_format(RolloutSettings(format="fp8_block"), amx=True)
+    assert warning is not None and "W8A16" in warning and "quantization=int8" in warning
+    assert check_cpu_rollout_format(RolloutSettings(format="int8"), amx=True) is None
 
 
 def test_per_channel_fp8_on_cpu_runs_with_a_warning(tmp_path, caplog):
