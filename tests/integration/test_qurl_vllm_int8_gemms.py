@@ -45,6 +45,7 @@ from vllm_reload_harness import (
     sync_weights,
 )
 
+from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
 from qurl_verl.platform import cpu_int8_gemm
 from qurl_verl.platform.cpu_features import cpu_flags
 from qurl_verl.quant import quantize
@@ -153,8 +154,8 @@ def host_int8_gemm() -> str:
     needs_opt_in = "VLLM_CPU_SGL_KERNEL" in envs.environment_variables  # 0.24 takes sgl only when opted in
     if "amx_int8" in flags and (not needs_opt_in or envs.VLLM_CPU_SGL_KERNEL):
         return "amx_sgl"
-    if not flags & {"avx512_vnni", "avx_vnni", "amx_int8"}:  # oneDNN's int8 GEMM saturates here
-        return "avx2_packed" if cpu_int8_gemm.gemm_choice() == "auto" and cpu_int8_gemm.load() else "onednn_split"
+    if cpu_int8_gemm.cpu_int8_saturates(flags):
+        return "avx2_packed" if vllm_cpu_int8_saturation.avx2_kernel_available() else "onednn_split"
     return "onednn"
 
 
