@@ -14,7 +14,7 @@ VLLM024_TESTS := tests/unit tests/integration tests/e2e/test_main_ppo_cpu.py::te
 	tests/e2e/test_main_ppo_moe.py \
 	--deselect tests/unit/test_gpu_evidence_dry_run.py
 
-.PHONY: venv venv-vllm024 demo test test-vllm032 test-vllm024 test-install test-unit test-integration test-e2e \
+.PHONY: venv venv-vllm024 demo test lint test-vllm032 test-vllm024 test-install test-unit test-integration test-e2e \
 	bench report study study-long clean-outputs
 
 venv:
@@ -26,7 +26,11 @@ venv-vllm024:
 demo: venv
 	STEPS=$(STEPS) bash recipes/tiny_cpu/run.sh
 
-test: test-vllm032 test-vllm024
+test: lint test-vllm032 test-vllm024
+
+# ruff.toml: pyflakes, pycodestyle errors, bugbear, import order, pyupgrade; over the whole repository
+lint: venv
+	.venv/bin/ruff check .
 
 test-vllm032: venv
 	$(PY) -m pytest -ra

@@ -4,14 +4,18 @@ The wheel holds what a verl user runs: the `qurl_verl` package (its presets and 
 work-arounds included) and the Hydra search-path plugin. The tiny model, data, rewards,
 evaluation and report tools (`qurl_recipes/`) stay in the repository, next to `recipes/`.
 """
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 readme = Path(__file__).with_name("README.md")
+# the one version is qurl_verl.__version__, read as text so that building the wheel imports nothing
+version = re.search(r'^__version__ = "([^"]+)"', Path(__file__).with_name("qurl_verl").joinpath("__init__.py").read_text(),
+                    re.M).group(1)
 setup(
     name="qurl-verl",
-    version="0.2.0",
+    version=version,
     description="QuRL: quantized rollout for RL with verifiable rewards, as a verl 0.9.1 plugin",
     long_description=readme.read_text(encoding="utf-8") if readme.exists() else "",
     long_description_content_type="text/markdown",
