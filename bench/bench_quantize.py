@@ -12,6 +12,7 @@ Writes bench/results/quantize.json and prints tables.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -19,8 +20,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import copy
 
 import torch
 

@@ -39,9 +39,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_models import INITS, SPECS as MODELS, build_model, param_count  # noqa: E402
+from bench_models import INITS, build_model, param_count  # noqa: E402
+from bench_models import SPECS as MODELS  # noqa: E402
 
 from qurl_verl.platform.cpu_features import cpu_class, cpu_flags, cpu_model_and_flags, vllm_cpu_library  # noqa: E402
+
 BATCHES = (1, 8, 32)
 SHORT = (1, 8)  # batch sizes of the FP8 comparison
 N_FIDELITY = 8  # prompts per fidelity set (greedy, sampled)
@@ -232,7 +234,7 @@ def markdown(report: dict) -> str:
         f"Sampling: temperature 1.0, fixed seeds, ignore_eos. Blocks run: {len(report['blocks'])} "
         f"({', '.join(b['format'] for b in report['blocks'])}), {report['args']['reps']} timed repeats per "
         f"setting per block after a warm-up; figures are medians over all repeats.",
-        f"Load average (1 min) at block starts: {', '.join('%.2f' % b['load_before'][0] for b in report['blocks'])}.",
+        f"Load average (1 min) at block starts: {', '.join(format(b['load_before'][0], '.2f') for b in report['blocks'])}.",
         "INT8 GEMMs as the engines report them ('inferred': a run from before the report): " + ("; ".join(
             f"{f}: " + ", ".join(f"{n} x{c}" for n, c in g.items()) if isinstance(g, dict) else f"{f}: {g} (inferred)"
             for f, g in report.get("int8_gemm", {}).items()) or "none run") + ".",

@@ -277,10 +277,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_reload_harness as harness
-    from qurl_verl.platform.cpu_features import cpu_model_and_flags
     from verl.plugin.platform import platform_manager
 
     from qurl_verl.platform.cpu import PlatformCPU
+    from qurl_verl.platform.cpu_features import cpu_model_and_flags
 
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()

@@ -240,9 +240,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_reload_harness as harness
+    from bench_models import SPECS
     from verl.plugin.platform import platform_manager
 
-    from bench_models import SPECS
     from qurl_verl.platform.cpu import PlatformCPU
 
     os.environ.update(harness.engine_env())

@@ -5,7 +5,7 @@ receive, so `validate_config` (verl's checks plus qurl-verl's) can run with no R
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from omegaconf import DictConfig
 

@@ -23,9 +23,9 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 AVERAGE = "average"
 

@@ -41,7 +41,7 @@ from qurl_verl.losses.acr import LOG_RATIO_BOUND, acr_token_loss
 from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
 from qurl_verl.quant import apply_uaq, int_format, quantize_linear_modules_
 from qurl_verl.quant.linear import W8A8Linear
-from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
+from qurl_verl.quant.uaq import DEFAULT_UAQ_SCALE, DEFAULT_UAQ_TARGETS
 from qurl_verl.quant.update_visibility import changed_code_count
 
 
@@ -81,7 +81,7 @@ class StudySettings:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
-    uaq_scale: float = 1.5
+    uaq_scale: float = DEFAULT_UAQ_SCALE
     max_response_tokens: int = 64
     n_train: int = 64
     n_val: int = 64

@@ -30,8 +30,8 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -253,7 +253,7 @@ def check_critic_model_readable(cfg: DictConfig) -> None:
     tokenizer: with HF_HUB_OFFLINE=1 a hub id must be in the Hugging Face cache (no weights are read)."""
     from verl.trainer.ppo.utils import need_critic
 
-    from qurl_verl.driver import hub_id, hub_id_cached
+    from qurl_verl.model_info import hub_id, hub_id_cached
 
     path = OmegaConf.select(cfg, "critic.model.path")
     repo = hub_id(path) if need_critic(cfg) else None

@@ -18,7 +18,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qurl_verl.settings import MIN_CPU_HEAD_DIM as MIN_HEAD_DIM  # vLLM-CPU attention's smallest head size
+from qurl_verl.driver.cpu_platform_checks import MIN_CPU_HEAD_DIM as MIN_HEAD_DIM  # vLLM-CPU attention's smallest head size
 
 # vLLM-CPU's fused-MoE kernels refuse hidden and expert intermediate sizes that are not multiples of 32.
 MOE_CPU_DIM_MULTIPLE = 32

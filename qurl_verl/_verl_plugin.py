@@ -17,7 +17,8 @@ import logging
 import os
 import traceback
 
-from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, cpu_platform_selected
+from qurl_verl.patches.contract import describe
+from qurl_verl.settings import cpu_platform_selected
 
 logger = logging.getLogger("qurl_verl")
 
@@ -28,7 +29,7 @@ STATUS: dict[str, str] = {}
 def _step(name: str, fn) -> None:
     try:
         result = fn()
-        STATUS[name] = "ok" if result is None or result is True else f"ok ({result})"
+        STATUS[name] = f"ok ({result})" if result else "ok"
     except Exception as e:  # noqa: BLE001 - reported, never swallowed silently
         STATUS[name] = f"failed: {type(e).__name__}: {e}"
         logger.warning("qurl-verl: %s failed: %s: %s\n%s", name, type(e).__name__, e, traceback.format_exc(limit=3))
@@ -39,34 +40,15 @@ def _cpu_platform() -> str:
 
     if not cpu_platform_selected():
         return "registered, not selected"
-    from qurl_verl.patches.cpu_platform import (
-        cpu_engine_lookup,
-        gloo_backend_dedup,
-        value_model_attention,
-        vllm_cpu_unquantized_gemm,
-        weight_sync_ack_timeout,
-    )
+    from qurl_verl.patches import cpu_platform
 
-    applied = [name for name, did in (("gloo backend dedup", gloo_backend_dedup.apply()),
-                                      ("engine lookup", cpu_engine_lookup.apply()),
-                                      ("weight-sync ack timeout", weight_sync_ack_timeout.apply())) if did]
-    how = value_model_attention.apply()
-    if how:
-        applied.append(f"critic attention ({how})")
-    # verl's stock vllm rollout needs its Linear weights kept loadable; qurl_vllm's workers
-    # (marked by their server) re-pack them through the layerwise reload instead.
-    if os.environ.get(LAYERWISE_RELOAD_WORKER_ENV) != "1":
-        how = vllm_cpu_unquantized_gemm.apply()
-        if how:
-            applied.append(f"keep-weight gemm dispatch ({how})")
-    return "selected: " + (", ".join(applied) or "nothing new")
+    return "selected: " + (describe(cpu_platform.apply_all()) or "nothing new")
 
 
-def _config_checks() -> None:
-    from qurl_verl.driver import on_validate_config
-    from qurl_verl.patches.always import validate_config_hook
+def _config_checks() -> str:
+    from qurl_verl.patches import always
 
-    validate_config_hook.apply(on_validate_config)
+    return describe(always.apply_all())
 
 
 def _losses() -> None:

@@ -31,10 +31,11 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
+from qurl_verl.model_info import moe_experts
+from qurl_verl.quant.compressed_tensors_format import experts_ignored, quantize_state_dict
 from qurl_verl.quant.uaq_convert import INDEX_FILE, weight_files
-from qurl_verl.quant.compressed_tensors_format import experts_ignored
-from qurl_verl.settings import RolloutSettings, check_architecture, moe_experts
+from qurl_verl.rollout.engine_checks import check_architecture
+from qurl_verl.settings import RolloutSettings
 
 EXPORT_FORMATS = ("int8", "fp8", "fp8_block")
 

@@ -18,8 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from qurl_verl.quant.uaq import CONFIG_KEY, DEFAULT_UAQ_TARGETS
-from qurl_verl.settings import DEFAULT_UAQ_SCALE
+from qurl_verl.quant.uaq import CONFIG_KEY, DEFAULT_UAQ_SCALE, DEFAULT_UAQ_TARGETS
 
 DEFAULT_CACHE = Path(os.environ.get("QURL_CACHE_DIR", Path.home() / ".cache" / "qurl_verl")) / "uaq"
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny_models import TINY_DIMS, build_tiny_causal_lm  # noqa: E402,F401 - re-exported for the fixtures
 
 

@@ -98,7 +98,7 @@ def run_model(name: str, args, tmp: Path) -> dict:
     batch = prompts(max(args.batches), args.prompt_len, MODELS[name]["vocab_size"])
     report = {"model": name, "spec": MODELS[name], "device": torch.cuda.get_device_name(0),
               "args": {k: v for k, v in vars(args).items()}, "blocks": []}
-    for k in range(args.blocks):
+    for _block in range(args.blocks):
         for fmt in args.formats:
             t0 = time.perf_counter()
             llm = LLM(**engine_kwargs(model_dir, fmt, args))

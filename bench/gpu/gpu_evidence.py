@@ -778,7 +778,7 @@ def tracker_cost(ctx: Context, layers: list[dict[str, torch.Tensor]], row_stride
 def step_sync_cost(ctx: Context, budget: Budget, res: dict, flush) -> None:
     formats = (("int8", "channel"), ("fp8", "channel"), ("fp8", "block"))
     reps_one, reps_many = (5, 3) if ctx.cuda else (2, 1)
-    row_stride = 8  # custom.qurl.code_change_row_stride default (qurl_verl/rollout/settings.py)
+    row_stride = 8  # custom.qurl.code_change_row_stride default (DEFAULT_CODE_CHANGE_ROW_STRIDE, qurl_verl/settings/rollout.py)
     res.update(
         what="quantize_state_dict over the 7 targeted linears (q,k,v,o,gate,up,down) per layer, masters on the device",
         tracker_settings={"fmt": "int8", "granularity": "channel", "row_stride": row_stride},

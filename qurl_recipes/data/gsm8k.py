@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 SHIPPED_DATA = Path(__file__).resolve().parents[2] / "data" / "gsm8k"
 DATA_SOURCE = "openai/gsm8k"

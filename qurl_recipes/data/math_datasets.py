@@ -24,9 +24,9 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 SHIPPED_DATA = Path(__file__).resolve().parents[2] / "data"
 
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     except MissingDataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for split, path in paths.items():
+    for path in paths.values():
         print(f"wrote {path}")
     return 0
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -112,9 +111,9 @@ def acr_token_loss(
     clip_ratio_high: float,
     clip_ratio_c: float,
     adaptive: bool = True,
-    upper_bound_cap: Optional[float] = None,
+    upper_bound_cap: float | None = None,
     with_stats: bool = True,
-) -> tuple[torch.Tensor, Optional[AcrStats]]:
+) -> tuple[torch.Tensor, AcrStats | None]:
     """Per-token ACR (adaptive=True, Eq. 9) or TIS (adaptive=False, Eq. 5) loss, to be minimised.
 
     Args:
@@ -172,7 +171,7 @@ def acr_token_loss(
     return loss_mat, stats
 
 
-def _log_upper_bound(log_w: torch.Tensor, log_c: float, clip_ratio_high: float, upper_bound_cap: Optional[float]) -> torch.Tensor:
+def _log_upper_bound(log_w: torch.Tensor, log_c: float, clip_ratio_high: float, upper_bound_cap: float | None) -> torch.Tensor:
     """log((1 + eps_high) / r) = log(1 + eps_high) + max(0, log w - log C), in one clamp.
 
     Optionally capped, and clamped at e^20, above which it cannot bind (R <= e^20).

@@ -8,7 +8,6 @@ fields, defaults and checks are those of ``qurl_verl.settings.LossSettings``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from verl.workers.config import PolicyLossConfig
 
@@ -20,7 +19,7 @@ class QurlPolicyLossConfig(PolicyLossConfig):
     """verl's policy-loss config plus ``is_cap`` (C) and ``acr_upper_cap`` (see ``LossSettings``)."""
 
     is_cap: float = DEFAULT_IS_CAP
-    acr_upper_cap: Optional[float] = None
+    acr_upper_cap: float | None = None
 
     def __post_init__(self):
         parent = getattr(super(), "__post_init__", None)

@@ -15,7 +15,7 @@ batch-wide maximum of w is verl's own `rollout_corr/rollout_is_max`, computed in
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
@@ -33,7 +33,7 @@ def _policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str,
     config: Any,
-    rollout_is_weights: Optional[torch.Tensor],
+    rollout_is_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     name = "qurl_acr" if adaptive else "qurl_tis"
     if config is None:
@@ -90,7 +90,7 @@ def qurl_acr_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """QuRL's Adaptive Clipping Range loss (Eq. 9), as verl's `loss_mode=qurl_acr`."""
     return _policy_loss(True, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)
@@ -104,7 +104,7 @@ def qurl_tis_policy_loss(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     config: Any = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO with token-level TIS min(w, C) (Eq. 5), as verl's `loss_mode=qurl_tis`: the ACR baseline."""
     return _policy_loss(False, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights)

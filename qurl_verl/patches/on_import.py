@@ -14,7 +14,7 @@ import sys
 class _PatchingLoader(importlib.abc.Loader):
     """Runs the real loader, patches the module, then hands it back to the real loader."""
 
-    def __init__(self, loader, finder: "PatchOnImport"):
+    def __init__(self, loader, finder: PatchOnImport):
         self.loader, self.finder = loader, finder
 
     def create_module(self, spec):
@@ -71,14 +71,3 @@ def patch_now_or_on_import(target: str, patch) -> str:
     sys.meta_path.insert(0, PatchOnImport(target, patch))
     return "on import"
 
-
-def wrap_function_once(module, name: str, wrapper_for, mark: str) -> bool:
-    """Replace ``module.<name>`` by ``wrapper_for(original)``, tagged with ``mark``; False if the
-    function is absent or already wrapped (so a patch applied twice changes nothing)."""
-    original = getattr(module, name, None)
-    if original is None or getattr(original, mark, False):
-        return False
-    wrapped = wrapper_for(original)
-    setattr(wrapped, mark, True)
-    setattr(module, name, wrapped)
-    return True

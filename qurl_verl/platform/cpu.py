@@ -4,8 +4,8 @@ verl asks its platform for a device name, a torch device module, a collective ba
 resource name, and falls back to `nvidia` when no accelerator is found. This platform answers
 `cpu`/`gloo` and a device module that gives CPU answers to the CUDA-style calls verl makes
 (`empty_cache`, `mem_get_info`, RNG state, streams). Ray scheduling still uses the `GPU`
-resource: verl's placement groups always request it, so the driver declares logical GPUs
-(see `qurl_verl.platform.cpu_ray_settings`).
+resource: verl's placement groups always request it, so the run declares logical GPUs to Ray
+(``ray_kwargs.ray_init.num_gpus``, which the ``tiny_cpu`` recipe sets).
 
 Select with `VERL_PLATFORM=cpu`. Upstream work-arounds this platform needs live in
 `qurl_verl.patches` and are applied by the plugin when this platform is selected.
@@ -13,15 +13,14 @@ Select with `VERL_PLATFORM=cpu`. Upstream work-arounds this platform needs live 
 from __future__ import annotations
 
 import contextlib
-import os
 import types
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
-PLATFORM_NAME = "cpu"
+from qurl_verl.settings import CPU_PLATFORM as PLATFORM_NAME
 
 
 def _mem_get_info(device: Any = None) -> tuple[int, int]:
@@ -97,7 +96,7 @@ class PlatformCPU(PlatformBase):
     def set_device(self, device_index: int) -> None:
         return None
 
-    def synchronize(self, device_index: Optional[int] = None) -> None:
+    def synchronize(self, device_index: int | None = None) -> None:
         return None
 
     def manual_seed(self, seed: int) -> None:
@@ -112,7 +111,7 @@ class PlatformCPU(PlatformBase):
     def empty_cache(self) -> None:
         return None
 
-    def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+    def get_device_capability(self, device_index: int = 0) -> tuple[int | None, int | None]:
         return None, None
 
     def communication_backend_name(self) -> str:
@@ -148,6 +147,3 @@ class PlatformCPU(PlatformBase):
     def cudart(self) -> Any:
         return None
 
-
-def cpu_platform_selected() -> bool:
-    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME

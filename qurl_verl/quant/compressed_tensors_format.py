@@ -23,9 +23,12 @@ import torch
 from .formats import DEFAULT_BLOCK_SIZE, WEIGHT_GRANULARITIES, QuantFormat, resolve_format
 from .quantizer import quantize
 
-# The linear projections of Llama/Qwen/Mistral decoder layers. Fused-layer checkpoints
-# (qkv_proj, gate_up_proj) are covered by passing them explicitly in ``targets``.
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The linear projections of Llama/Qwen/Mistral decoder layers: attention (``self_attn.*``) and MLP
+# (``mlp.*``). Fused-layer checkpoints (qkv_proj, gate_up_proj) are covered by passing them
+# explicitly in ``targets``.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGET_MODULES = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 DEFAULT_IGNORE = ("lm_head",)
 # vLLM runs these HF projections as one layer (the ``packed_modules_mapping`` of Qwen2, Qwen3 and
 # Llama) and decides ``ignore`` for that layer as a whole.
@@ -40,7 +43,7 @@ ROUTER_MODULES = ("mlp.gate", "mlp.shared_expert_gate")
 # The routed experts, one HF module per expert and projection (``mlp.experts.<e>.gate_proj``), which
 # vLLM runs as one fused layer per decoder layer (``w13_weight``: gate and up; ``w2_weight``: down).
 EXPERTS_MODULE = "mlp.experts"
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJECTIONS = MLP_PROJECTIONS  # each expert is an MLP
 EXPERTS_IGNORE = r"re:(?:.*\.)?mlp\.experts(?:\..*)?$"  # every routed expert, kept in full precision
 
 TargetSpec = Callable[[str, torch.Tensor], bool] | Iterable[str] | None

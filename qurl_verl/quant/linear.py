@@ -57,7 +57,7 @@ class W8A8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str = "int8", granularity: str = "channel",
-                    fake: bool = False, name: str | None = None) -> "W8A8Linear":
+                    fake: bool = False, name: str | None = None) -> W8A8Linear:
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, fmt=fmt,
                     granularity=granularity, fake=fake, dtype=linear.weight.dtype, device=linear.weight.device)
         layer.load_weight_(linear.weight, name=name)

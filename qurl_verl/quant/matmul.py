@@ -62,7 +62,7 @@ def fp8_scaled_matmul(
                             out_dtype=torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def rowwise_scaled_mm_supported(device_type: str) -> bool:
     """Whether ``torch._scaled_mm`` takes row-wise scales on this device type (CPU: torch >= 2.13;
     the CUDA builds that run FP8 take them). Probed once with a 2 x 16 x 2 product (two scales a side:

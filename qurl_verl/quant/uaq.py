@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from .compressed_tensors_format import FUSED_MODULES
+
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Same attention block; the MLP is a routed MoE whose router reads post_attention_layernorm's output.
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
@@ -34,14 +36,18 @@ REFUSED_MODEL_TYPES = {
     "deepseek_v2": _MLA,
     "deepseek_v3": _MLA,
 }
-DEFAULT_UAQ_TARGETS = ("q_proj", "k_proj", "v_proj")
 CONFIG_KEY = "qurl_uaq"
 
-# norm name -> (attribute of the decoder layer holding the linears, the linears it feeds)
+# norm name -> (attribute of the decoder layer holding the linears, the linears it feeds): the
+# linears one norm feeds are the ones vLLM fuses, as they share their input
 NORM_GROUPS = {
-    "input_layernorm": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "post_attention_layernorm": ("mlp", ("gate_proj", "up_proj")),
+    "input_layernorm": ("self_attn", FUSED_MODULES["qkv_proj"]),
+    "post_attention_layernorm": ("mlp", FUSED_MODULES["gate_up_proj"]),
 }
+# The paper's setting, s = 1.5 on q/k/v. The one home of both defaults: the settings, the presets
+# (null), the converter's command line and the study harness read them here.
+DEFAULT_UAQ_SCALE = 1.5
+DEFAULT_UAQ_TARGETS = NORM_GROUPS["input_layernorm"][1]
 
 
 def resolve_uaq_targets(targets: Iterable[str]) -> list[str]:
@@ -138,7 +144,7 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 @torch.no_grad()
-def apply_uaq(model: nn.Module, scale: float = 1.5, targets: Iterable[str] = DEFAULT_UAQ_TARGETS) -> nn.Module:
+def apply_uaq(model: nn.Module, scale: float = DEFAULT_UAQ_SCALE, targets: Iterable[str] = DEFAULT_UAQ_TARGETS) -> nn.Module:
     """Fold ``scale`` into the norms feeding ``targets`` in place and record it in ``model.config``."""
     scale = _check_scale(scale)
     norms = resolve_uaq_targets(targets)
@@ -169,7 +175,7 @@ _LAYER_NORM_KEY = re.compile(r"^(?P<layer>.*layers\.\d+)\.input_layernorm\.weigh
 def apply_uaq_to_state_dict(
     state_dict: Mapping[str, torch.Tensor],
     config: Mapping,
-    scale: float = 1.5,
+    scale: float = DEFAULT_UAQ_SCALE,
     targets: Iterable[str] = DEFAULT_UAQ_TARGETS,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """UAQ on a HF state dict and its config.json dict; returns new copies, inputs stay untouched.

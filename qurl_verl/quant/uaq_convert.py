@@ -17,7 +17,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .uaq import DEFAULT_UAQ_TARGETS, apply_uaq_to_state_dict, check_uaq_model_type
+from .uaq import DEFAULT_UAQ_SCALE, DEFAULT_UAQ_TARGETS, apply_uaq_to_state_dict, check_uaq_model_type
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,7 +33,7 @@ def weight_files(model_dir: Path) -> tuple[list[str], dict | None]:
     raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are supported")
 
 
-def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, scale: float = 1.5,
+def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, scale: float = DEFAULT_UAQ_SCALE,
                        targets=DEFAULT_UAQ_TARGETS) -> dict:
     """Write the UAQ-folded checkpoint to ``out_dir``; returns the UAQ record stored in its config."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qurl_verl.quant.uaq_convert", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="input HF checkpoint folder (safetensors)")
     parser.add_argument("--out", required=True, help="output folder (must not exist or be empty)")
-    parser.add_argument("--scale", type=float, default=1.5, help="UAQ scale s (paper: 1.5)")
+    parser.add_argument("--scale", type=float, default=DEFAULT_UAQ_SCALE,
+                        help=f"UAQ scale s (default, the paper's: {DEFAULT_UAQ_SCALE:g})")
     parser.add_argument("--targets", default=",".join(DEFAULT_UAQ_TARGETS),
                         help="comma-separated linears to scale: q_proj,k_proj,v_proj and/or gate_proj,up_proj "
                              "(q_proj,k_proj,v_proj only on MoE models)")

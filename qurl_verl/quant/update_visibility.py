@@ -37,7 +37,7 @@ class UpdateStats:
     update_sq: float = 0.0
     quant_error_sq: float = 0.0
 
-    def __iadd__(self, other: "UpdateStats") -> "UpdateStats":
+    def __iadd__(self, other: UpdateStats) -> UpdateStats:
         self.numel += other.numel
         self.changed_codes += other.changed_codes
         self.update_sq += other.update_sq

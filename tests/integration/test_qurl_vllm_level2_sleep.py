@@ -50,9 +50,9 @@ from vllm_reload_harness import (
 )
 
 from qurl_verl.patches.vllm_cpu_worker.vllm_cpu_int8_saturation import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
-from qurl_verl.rollout.weight_stream import tied_output_embedding
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import RolloutSettings
+from qurl_verl.tied_lm_head import tied_output_embedding
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
 

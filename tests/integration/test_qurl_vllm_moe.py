@@ -33,8 +33,9 @@ from vllm_reload_harness import (
     sync_weights,
 )
 
+from qurl_verl.model_info import quantized_share
 from qurl_verl.rollout.worker_extension import WeightReloadError
-from qurl_verl.settings import RolloutSettings, quantized_share
+from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
 

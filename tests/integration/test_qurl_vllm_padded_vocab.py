@@ -40,7 +40,7 @@ from vllm_reload_harness import (
 )
 
 from qurl_recipes.tiny_model import TinyModelSpec
-from qurl_verl.rollout import vllm_versions, worker_extension
+from qurl_verl.rollout import layerwise_reload, vllm_versions
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import RolloutSettings
 
@@ -94,8 +94,8 @@ class PaddedVocabProbe(QurlWorkerExtension):
     def probe_configure(self, cast: bool, quiet: bool) -> None:
         self._probe_cast = cast
         if not hasattr(self, "_probe_quiet"):
-            self._probe_quiet = worker_extension._quiet_config_only_layers
-        worker_extension._quiet_config_only_layers = self._probe_quiet if quiet else (lambda model: contextlib.nullcontext())
+            self._probe_quiet = layerwise_reload.quiet_config_only_layers
+        layerwise_reload.quiet_config_only_layers = self._probe_quiet if quiet else (lambda model: contextlib.nullcontext())
 
     def probe_warnings(self) -> list[str]:
         """vLLM's warnings since the previous call (the first call starts listening)."""

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 import json
-
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from qurl_verl import driver as qc
-from qurl_verl.settings import QurlConfigError
 from qurl_recipes.compose import compose_ppo_config
+from qurl_verl import driver as qc
+from qurl_verl.driver.model_path import check_model_path
+from qurl_verl.driver.prepare import prepare_cpu_int8_gemm
+from qurl_verl.model_info import hub_id_cached
+from qurl_verl.settings import QurlConfigError, UaqSettings
 
 CPU_OK = [
     "actor_rollout_ref.rollout.name=vllm",
@@ -66,16 +68,16 @@ def test_hub_id_in_the_local_cache_passes_offline(monkeypatch, tmp_path):
     (tmp_path / "hub" / "models--org--cached-model" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert qc.hub_id_cached("org/cached-model") and not qc.hub_id_cached("org/other-model")
+    assert hub_id_cached("org/cached-model") and not hub_id_cached("org/other-model")
     cfg = compose_ppo_config(["actor_rollout_ref.rollout.name=qurl_vllm", "actor_rollout_ref.model.path=org/cached-model"])
-    qc.check_model_path(cfg, qc.UaqSettings())
+    check_model_path(cfg, UaqSettings())
 
 
 def test_remote_path_passes_unless_uaq_must_convert_it():
     cfg = compose_ppo_config(["actor_rollout_ref.rollout.name=qurl_vllm", "actor_rollout_ref.model.path=hdfs://cluster/m"])
-    qc.check_model_path(cfg, qc.UaqSettings(enable=False))
+    check_model_path(cfg, UaqSettings(enable=False))
     with pytest.raises(QurlConfigError, match="UAQ converts the checkpoint in the driver"):
-        qc.check_model_path(cfg, qc.UaqSettings(enable=True))
+        check_model_path(cfg, UaqSettings(enable=True))
 
 
 def test_folder_without_config_json(tmp_path):
@@ -137,7 +139,7 @@ def test_broken_plugin_part_is_a_warning_and_a_clear_error_later():
         import sys, types
         sys.modules["qurl_verl.losses.verl_losses"] = None  # importing it raises ImportError
         import verl, qurl_verl
-        from qurl_verl.driver import check_plugin_loaded
+        from qurl_verl.driver.checks import check_plugin_loaded
         try:
             check_plugin_loaded("losses", "loss_mode=qurl_acr")
         except Exception as e:
@@ -175,7 +177,7 @@ def test_driver_builds_the_avx2_int8_gemm_only_where_the_workers_use_it(monkeypa
     monkeypatch.setenv("QURL_VERL_CPU_INT8_GEMM", choice)
     monkeypatch.setattr(cpu_int8_gemm, "cpu_flags", lambda: flags)
     monkeypatch.setattr(cpu_int8_gemm, "load", lambda: built.append(True) or True)
-    qc.prepare_cpu_int8_gemm(RolloutSettings(format=fmt))
+    prepare_cpu_int8_gemm(RolloutSettings(format=fmt))
     assert bool(built) is builds
 
 

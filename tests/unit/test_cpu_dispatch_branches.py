@@ -21,7 +21,6 @@ import weakref
 import pytest
 import torch
 from torch.nn import Parameter
-
 from vllm import _custom_ops as ops
 from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_scaled_mm
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig

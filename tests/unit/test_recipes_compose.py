@@ -7,10 +7,11 @@ import subprocess
 
 import pytest
 
-from qurl_verl import driver as qc
-from qurl_verl import settings as qs
 from qurl_recipes import recipes_check as rc
 from qurl_recipes.data import math_datasets as md
+from qurl_verl import settings as qs
+from qurl_verl.driver import model_path as qc_path
+from qurl_verl.driver import prepare as qc_prepare
 
 PRESETS = ["bf16", "fp8", "int8", "naive_int8", "tis_fp8", "tis_int8"]
 EXPECTED = {  # preset -> (rollout.quantization, loss_mode, UAQ)
@@ -168,9 +169,9 @@ def test_hub_id_check_relaxed_only_in_a_dry_run(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg = compose_ppo_config(["actor_rollout_ref.rollout.name=qurl_vllm", "actor_rollout_ref.model.path=org/model"])
     with pytest.raises(qs.QurlConfigError, match="HF_HUB_OFFLINE=1 forbids downloading it"):
-        qc.check_model_path(cfg, qs.UaqSettings())
+        qc_path.check_model_path(cfg, qs.UaqSettings())
     monkeypatch.setenv(qs.DRY_RUN_ENV, "1")
-    qc.check_model_path(cfg, qs.UaqSettings())
+    qc_path.check_model_path(cfg, qs.UaqSettings())
 
 
 def test_dry_run_reports_uaq_without_converting(tmp_path, monkeypatch):
@@ -180,7 +181,7 @@ def test_dry_run_reports_uaq_without_converting(tmp_path, monkeypatch):
                             "actor_rollout_ref": {"model": {"path": "org/model"}}})
     monkeypatch.setenv(qs.DRY_RUN_ENV, "1")
     logs = []
-    qc.prepare_config(cfg, qs.UaqSettings.from_config(cfg), log=logs.append)
+    qc_prepare.prepare_config(cfg, qs.UaqSettings.from_config(cfg), log=logs.append)
     assert cfg.actor_rollout_ref.model.path == "org/model" and not (tmp_path / "c").exists()
     assert logs == ["[qurl] dry run: would apply UAQ (s=1.5, q_proj) to org/model and point the actor at the converted copy"]
 
@@ -190,12 +191,12 @@ def test_uaq_fetches_a_hub_checkpoint_before_converting(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **kw: calls.append(repo) or str(tmp_path))
-    assert qc.local_checkpoint("org/model") == tmp_path and calls == ["org/model"]
-    assert qc.local_checkpoint(str(tmp_path)) == tmp_path and calls == ["org/model"]  # local folders are used as they are
+    assert qc_prepare.local_checkpoint("org/model") == tmp_path and calls == ["org/model"]
+    assert qc_prepare.local_checkpoint(str(tmp_path)) == tmp_path and calls == ["org/model"]  # local folders are used as they are
 
     def offline(repo, **kw):
         raise OSError("offline")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(qs.QurlConfigError, match=r"cannot fetch actor_rollout_ref.model.path=org/model .*download the checkpoint"):
-        qc.local_checkpoint("org/model")
+        qc_prepare.local_checkpoint("org/model")

@@ -18,10 +18,11 @@ def test_rows_are_deterministic_and_correct():
 
 
 def test_parquet_loads_in_verl_rl_dataset(tmp_path):
-    from qurl_recipes.tiny_model import build_tiny_model
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from qurl_recipes.tiny_model import build_tiny_model
 
     train, val = write_parquet(tmp_path, n_train=8, n_val=4)
     assert len(pd.read_parquet(train)) == 8 and len(pd.read_parquet(val)) == 4

@@ -2,6 +2,7 @@
 the one-message errors a user gets for configs that cannot run."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -9,15 +10,21 @@ import pytest
 from omegaconf import OmegaConf
 
 from qurl_verl import driver
-from qurl_verl.settings import QurlConfigError, RolloutSettings, check_cpu_rollout_format
+from qurl_verl.platform.host import Host
+from qurl_verl.rollout.engine_checks import check_cpu_rollout_format
+from qurl_verl.settings import QurlConfigError, RolloutSettings
 
 # always full precision besides lm_head: the MoE routers, and the routed experts by default
 MOE_ALWAYS = (r"re:(?:.*\.)?mlp\.gate$", r"re:(?:.*\.)?mlp\.shared_expert_gate$", r"re:(?:.*\.)?mlp\.experts(?:\..*)?$")
 
 
-def validate_rollout_settings(cfg):
-    """What the driver checks and returns for the rollout group of a config."""
-    return driver.check_config(cfg).rollout
+def validate_rollout_settings(cfg, host=None):
+    """What the driver checks and returns for the rollout group of a config (on ``host``, default this one)."""
+    return driver.check_config(cfg, host=host).rollout
+
+
+def without_amx() -> Host:
+    return dataclasses.replace(Host.probe(), amx=False, amx_fp8=False)
 
 
 def rollout_node(quantization=None, qurl=None):
@@ -39,7 +46,7 @@ def rollout_node(quantization=None, qurl=None):
 )
 def test_format_comes_from_rollout_quantization(value, fmt, quant, granularity):
     s = RolloutSettings.from_rollout_config(rollout_node(value))
-    assert (s.format, s.format.quant_format, s.format.granularity) == (fmt, quant, granularity)
+    assert (s.format, s.format.engine_codes, s.format.granularity) == (fmt, quant, granularity)
 
 
 def test_int8_engine_config_is_compressed_tensors_w8a8_per_channel_per_token():
@@ -122,20 +129,15 @@ def test_unknown_architecture_is_one_clear_error(tmp_path):
     assert "GPT2LMHeadModel" in msg and "Qwen2ForCausalLM" in msg and "rollout.name=vllm" in msg
 
 
-def test_block_fp8_on_a_cpu_without_amx_is_one_clear_error(tmp_path, monkeypatch):
-    import torch
-
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+def test_block_fp8_on_a_cpu_without_amx_is_one_clear_error(tmp_path):
     with pytest.raises(QurlConfigError, match="fp8_block needs a CPU with AMX.*=int8"):
-        validate_rollout_settings(driver_config(tmp_path, quantization="fp8_block"))
+        validate_rollout_settings(driver_config(tmp_path, quantization="fp8_block"), host=without_amx())
 
 
 def test_block_fp8_on_gpu_hosts_is_not_checked_against_the_cpu(tmp_path, monkeypatch):
-    import torch
-
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    assert validate_rollout_settings(driver_config(tmp_path, quantization="fp8_block", device="cuda")).format == "fp8_block"
+    cfg = driver_config(tmp_path, quantization="fp8_block", device="cuda")
+    assert validate_rollout_settings(cfg, host=without_amx()).format == "fp8_block"
 
 
 def test_block_fp8_with_amx_is_allowed():

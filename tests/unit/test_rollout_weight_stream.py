@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from qurl_verl.quant import UpdateVisibilityTracker, quantize, update_visibility
+from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 from qurl_verl.settings import RolloutSettings
-from qurl_verl.rollout.weight_stream import TIED_LM_HEAD_NAMES, WeightStreamQuantizer, tied_output_embedding
+from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES, tied_output_embedding
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

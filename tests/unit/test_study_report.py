@@ -10,8 +10,8 @@ import pytest
 from qurl_recipes.study_report import (
     build_long_horizon,
     build_report,
-    long_markdown,
     claim_checks,
+    long_markdown,
     main,
     mean_se,
     seed_statistics,

@@ -97,7 +97,7 @@ def test_moe_saved_tensors_are_per_expert(moe_models, arch):
 def test_moe_config_has_spec_values(moe_models, arch):
     from transformers import AutoConfig
 
-    from qurl_verl.settings import moe_experts
+    from qurl_verl.model_info import moe_experts
 
     spec = TinyMoeSpec(architecture=arch)
     raw = json.loads((moe_models[arch] / "config.json").read_text())

@@ -8,8 +8,7 @@ import re
 import pytest
 import torch
 
-from qurl_verl.quant import W8A8Linear, apply_uaq, quantize_linear_modules_, uaq_record, update_visibility
-from qurl_verl.quant import matmul, quantizer
+from qurl_verl.quant import W8A8Linear, apply_uaq, matmul, quantize_linear_modules_, quantizer, uaq_record, update_visibility
 from qurl_verl.quant.uaq import check_uaq_model_type
 
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3"]

@@ -56,7 +56,7 @@ def test_failed_conversion_leaves_no_cache_entry(tiny, tmp_path):
 
 def test_preset_rewrites_the_actor_path_in_the_driver(tiny, tmp_path, monkeypatch):
     from qurl_recipes.compose import compose_ppo_config
-    from qurl_verl.driver import prepare_config
+    from qurl_verl.driver.prepare import prepare_config
     from qurl_verl.settings import UaqSettings
 
     monkeypatch.setenv("QURL_CACHE_DIR", str(tmp_path))

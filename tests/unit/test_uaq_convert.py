@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 from safetensors import SafetensorError, safe_open
+from test_uaq import MOE_LOGIT_ATOL, MOE_MODEL_TYPES, QKV, is_folded, tiny_moe_lm
 
 from qurl_verl.quant import apply_uaq, apply_uaq_to_state_dict, uaq_record
 from qurl_verl.quant.uaq_convert import convert_checkpoint, main
-from test_uaq import MOE_LOGIT_ATOL, MOE_MODEL_TYPES, QKV, is_folded, tiny_moe_lm
 
 
 def logits(model):

@@ -1,7 +1,6 @@
 """UAQ versus per-group AdamW learning rates on a tiny Qwen2 (qurl_recipes.uaq_vs_lr)."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from qurl_recipes.uaq_vs_lr import (

@@ -33,13 +33,13 @@ def test_packing_cpu_experts_are_repacked_once_per_reload(cls_name):
     if not hasattr(cpu_moe, "CPUUnquantizedExperts"):  # vLLM 0.24: its CPU MoE packs on every post-processing
         model = torch.nn.Module()
         model.moe = layer_with(SimpleNamespace(process_weights_after_loading=lambda layer: pytest.fail("repacked")))
-        assert patch.refresh(model) == 0
+        assert patch.refresh(model) == ""
         return
     model = torch.nn.Module()
     model.packed = layer_with(kernel_of(getattr(cpu_moe, cls_name)))
     model.zen = layer_with(kernel_of(getattr(cpu_moe, cls_name), zentorch=True))
     model.other = layer_with(SimpleNamespace(process_weights_after_loading=lambda layer: pytest.fail("not ours")))
     model.dense = torch.nn.Linear(4, 4)
-    assert patch.refresh(model) == 1
+    assert patch.refresh(model) == "re-packed 1 MoE layer"
     assert model.packed.quant_method.moe_kernel.fused_experts.calls == [model.packed]
     assert model.zen.quant_method.moe_kernel.fused_experts.calls == []

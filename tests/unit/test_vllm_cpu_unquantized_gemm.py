@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qurl_verl.patches.cpu_platform import vllm_cpu_unquantized_gemm as keep_weights
 from qurl_verl.patches import on_import
+from qurl_verl.patches.cpu_platform import vllm_cpu_unquantized_gemm as keep_weights
 
 vllm_utils = pytest.importorskip("vllm.model_executor.layers.utils")
 from vllm import _custom_ops as vllm_ops  # noqa: E402

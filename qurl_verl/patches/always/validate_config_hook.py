@@ -13,23 +13,43 @@ qurl checks first, then verl's unchanged function.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
+
+from qurl_verl.patches.contract import Patch, wrap_once
 
 _MARK = "_qurl_wrapped"
 
 
-def apply(check: Callable[[object], None]) -> bool:
+def checks_first(check: Callable[[object], None]):
+    def wrapper_for(original):
+        @functools.wraps(original)
+        def validate_config(config, *args, **kwargs):
+            check(config)
+            return original(config, *args, **kwargs)
+
+        return validate_config
+
+    return wrapper_for
+
+
+def _wrap(check: Callable[[object], None] | None = None) -> str:
     import verl.utils.config as verl_config
 
-    original = verl_config.validate_config
-    if getattr(original, _MARK, False):
-        return False
+    if check is None:  # the driver's checks; imported here, at plugin load, as the plugin did before
+        from qurl_verl.driver import on_validate_config as check
+    return wrap_once(verl_config, "validate_config", checks_first(check), _MARK)
 
-    @functools.wraps(original)
-    def validate_config(config, *args, **kwargs):
-        check(config)
-        return original(config, *args, **kwargs)
 
-    setattr(validate_config, _MARK, True)
-    verl_config.validate_config = validate_config
-    return True
+PATCH = Patch(
+    module=__name__,
+    target="verl.utils.config:validate_config",
+    package="verl",
+    versions=("0.9.1",),
+    when="in every process that imports verl (the plugin); the checks return at once for a config without qurl",
+    change=_wrap,
+)
+
+
+def apply(check: Callable[[object], None] | None = None) -> str:
+    """Run ``check`` (default: ``qurl_verl.driver.on_validate_config``) before verl's own; "" if already wrapped."""
+    return PATCH.apply(check)

@@ -12,11 +12,27 @@ from __future__ import annotations
 
 import os
 
+from qurl_verl.patches.contract import Patch
+
 ENV = "VERL_ENGINE_DEVICE"
 
 
-def apply() -> bool:
+def _set_default() -> str:
     if os.environ.get(ENV):
-        return False
+        return ""  # the user's value wins
     os.environ[ENV] = "cuda"
-    return True
+    return f"{ENV}=cuda"
+
+
+PATCH = Patch(
+    module=__name__,
+    target="verl.workers.engine.base:EngineRegistry.get_engine_cls",
+    package="verl",
+    versions=("0.9.1",),
+    when=f"on the CPU platform, unless {ENV} is set",
+    change=_set_default,
+)
+
+
+def apply() -> str:
+    return PATCH.apply()

@@ -13,6 +13,8 @@ import functools
 
 import torch.distributed as dist
 
+from qurl_verl.patches.contract import Patch, wrap_once
+
 _MARK = "_qurl_dedup_backend"
 
 
@@ -30,12 +32,7 @@ def dedup_backend(backend: str | None) -> str | None:
     return ",".join(kept)
 
 
-def apply() -> bool:
-    """Wrap `torch.distributed.init_process_group`; returns False if already applied."""
-    original = dist.init_process_group
-    if getattr(original, _MARK, False):
-        return False
-
+def dedup_backend_for(original):
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
         if "backend" in kwargs:
@@ -44,6 +41,19 @@ def apply() -> bool:
             args = (dedup_backend(args[0]), *args[1:])
         return original(*args, **kwargs)
 
-    setattr(init_process_group, _MARK, True)
-    dist.init_process_group = init_process_group
-    return True
+    return init_process_group
+
+
+PATCH = Patch(
+    module=__name__,
+    target="torch.distributed:init_process_group",  # as verl/utils/distributed.py calls it
+    package="verl",
+    versions=("0.9.1",),
+    when="on the CPU platform; other backend strings pass through unchanged",
+    change=lambda: wrap_once(dist, "init_process_group", dedup_backend_for, _MARK),
+)
+
+
+def apply() -> str:
+    """Wrap ``torch.distributed.init_process_group``; "" if already applied."""
+    return PATCH.apply()

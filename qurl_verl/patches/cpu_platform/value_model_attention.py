@@ -22,7 +22,8 @@ import functools
 import importlib.util
 from contextlib import contextmanager
 
-from qurl_verl.patches.on_import import patch_now_or_on_import, wrap_function_once
+from qurl_verl.patches.contract import Patch, wrap_once
+from qurl_verl.patches.on_import import patch_now_or_on_import
 
 TARGET_MODULE = "verl.utils.model"
 FUNCTION = "load_valuehead_model"
@@ -65,13 +66,23 @@ def cpu_attention_loader_for(original):
                                                        transformers.AutoModelForCausalLM)):
             return original(*args, **kwargs)
 
-    setattr(load_valuehead_model, _MARK, True)
     return load_valuehead_model
 
 
-def patch_module(module) -> bool:
-    return wrap_function_once(module, FUNCTION, cpu_attention_loader_for, _MARK)
+def patch_module(module) -> str:
+    return wrap_once(module, FUNCTION, cpu_attention_loader_for, _MARK)
+
+
+PATCH = Patch(
+    module=__name__,
+    target=f"{TARGET_MODULE}:{FUNCTION}",
+    package="verl",
+    versions=("0.9.1",),
+    when="on the CPU platform, whether or not verl's module is imported yet; a no-op where flash_attn imports",
+    change=lambda: patch_now_or_on_import(TARGET_MODULE, patch_module),
+)
 
 
 def apply() -> str:
-    return patch_now_or_on_import(TARGET_MODULE, patch_module)
+    """"patched", "on import" (a hook patches the module when it loads) or "" (already done)."""
+    return PATCH.apply()

@@ -34,15 +34,16 @@ not depend on import order: if the vLLM module is loaded the function is swapped
 otherwise a one-shot import hook swaps it right after the module executes (vLLM is never
 imported here, and nothing happens if it is not installed). The ``qurl_vllm`` backend does not
 need it (its layerwise reload re-runs vLLM's packing after every sync) and marks its engine
-processes with ``QURL_VLLM_LAYERWISE_RELOAD=1``; with that set when a layer is dispatched, vLLM's
-own dispatch runs, so an inherited hook changes nothing there. On non-CPU platforms vLLM never
+processes with ``QURL_VLLM_LAYERWISE_RELOAD=1``: a process started with it applies nothing, and with
+it set when a layer is dispatched vLLM's own dispatch runs, so an inherited hook changes nothing there. On non-CPU platforms vLLM never
 calls the function.
 """
 from __future__ import annotations
 
 import os
 
-from qurl_verl.patches.on_import import patch_now_or_on_import, wrap_function_once
+from qurl_verl.patches.contract import Patch, is_wrapped, wrap_once
+from qurl_verl.patches.on_import import patch_now_or_on_import
 from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV as RELOADING_WORKER_ENV
 
 TARGET_MODULE = "vllm.model_executor.layers.utils"
@@ -64,19 +65,34 @@ def keep_weight_dispatch_for(original):
 
     dispatch_cpu_unquantized_gemm.__wrapped__ = original
     dispatch_cpu_unquantized_gemm.__doc__ = keep_weight_dispatch_for.__doc__
-    setattr(dispatch_cpu_unquantized_gemm, _MARK, True)
     return dispatch_cpu_unquantized_gemm
 
 
 def is_patched(module) -> bool:
-    return getattr(getattr(module, FUNCTION, None), _MARK, False)
+    return is_wrapped(getattr(module, FUNCTION, None), _MARK)
 
 
-def patch_module(module) -> bool:
-    """Swap the dispatch in the loaded vLLM module; False if already swapped or absent."""
-    return wrap_function_once(module, FUNCTION, keep_weight_dispatch_for, _MARK)
+def patch_module(module) -> str:
+    """Swap the dispatch in the loaded vLLM module; "" if already swapped or absent."""
+    return wrap_once(module, FUNCTION, keep_weight_dispatch_for, _MARK)
+
+
+def not_a_reloading_worker() -> bool:
+    """Not a ``qurl_vllm`` engine process: those re-pack their weights through the layerwise reload."""
+    return os.environ.get(RELOADING_WORKER_ENV) != "1"
+
+
+PATCH = Patch(
+    module=__name__,
+    target=f"{TARGET_MODULE}:{FUNCTION}",
+    package="vllm",
+    versions=("0.24.0", "0.32.0"),
+    when=f"on the CPU platform, for verl's stock vllm rollout (not where {RELOADING_WORKER_ENV}=1)",
+    change=lambda: patch_now_or_on_import(TARGET_MODULE, patch_module),
+    applies=not_a_reloading_worker,
+)
 
 
 def apply() -> str:
     """Keep weights live in this process from now on, whenever vLLM's module loads (see above)."""
-    return patch_now_or_on_import(TARGET_MODULE, patch_module)
+    return PATCH.apply()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 
+from qurl_verl.patches.contract import Patch, wrap_once
 from qurl_verl.patches.on_import import patch_now_or_on_import
 
 TARGET_MODULE = "verl.workers.rollout.vllm_rollout.bucketed_weight_transfer"
@@ -37,14 +38,8 @@ def ack_timeout_s() -> float:
     return float(os.environ.get(ACK_TIMEOUT_ENV, DEFAULT_ACK_TIMEOUT_S))
 
 
-def patch_sender(module) -> bool:
-    """Wrap ``BucketedWeightSender``'s socket setup and send; False if already done or absent."""
-    sender_cls = getattr(module, "BucketedWeightSender", None)
-    if sender_cls is None or getattr(sender_cls, _MARK, False):
-        return False
+def bounded_socket_for(init_socket):
     import zmq
-
-    init_socket, send_weights = sender_cls._init_socket, sender_cls.async_send_weights
 
     @functools.wraps(init_socket)
     def _init_socket(self):
@@ -53,6 +48,12 @@ def patch_sender(module) -> bool:
         if self._qurl_ack_timeout_s > 0:
             self.socket.setsockopt(zmq.RCVTIMEO, max(1, int(self._qurl_ack_timeout_s * 1000)))
         self.socket.setsockopt(zmq.LINGER, 0)
+
+    return _init_socket
+
+
+def timeout_error_for(send_weights):
+    import zmq
 
     @functools.wraps(send_weights)
     async def async_send_weights(self, weights):
@@ -65,12 +66,29 @@ def patch_sender(module) -> bool:
                 "most likely failed: see the vLLM worker's error in the log above"
             ) from e
 
-    sender_cls._init_socket = _init_socket
-    sender_cls.async_send_weights = async_send_weights
-    setattr(sender_cls, _MARK, True)
-    return True
+    return async_send_weights
+
+
+def patch_sender(module) -> str:
+    """Wrap ``BucketedWeightSender``'s socket setup and send; "" if already done or absent."""
+    sender_cls = getattr(module, "BucketedWeightSender", None)
+    if sender_cls is None:
+        return ""
+    did = [wrap_once(sender_cls, "_init_socket", bounded_socket_for, _MARK),
+           wrap_once(sender_cls, "async_send_weights", timeout_error_for, _MARK)]
+    return ", ".join(d for d in did if d)
+
+
+PATCH = Patch(
+    module=__name__,
+    target=f"{TARGET_MODULE}:BucketedWeightSender._init_socket",  # and .async_send_weights
+    package="verl",
+    versions=("0.9.1",),
+    when="on the CPU platform, in every process, whether or not verl's module is imported yet",
+    change=lambda: patch_now_or_on_import(TARGET_MODULE, patch_sender),
+)
 
 
 def apply() -> str:
     """Bound every ack wait of verl's sender in this process (see above); "" if already done."""
-    return patch_now_or_on_import(TARGET_MODULE, patch_sender)
+    return PATCH.apply()

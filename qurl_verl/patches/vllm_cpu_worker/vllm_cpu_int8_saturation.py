@@ -41,9 +41,10 @@ import logging
 
 import torch
 
+from qurl_verl.patches.contract import Patch, wrap_once
+
 logger = logging.getLogger("qurl_verl")
 
-TARGET_VERSIONS = ("0.24.0", "0.32.0")
 _MARK = "_qurl_int8_split"
 SPLIT_SCALE_ATTR = "_qurl_split_weight_scale"  # keeps the scale the split handler points at alive
 # Largest |code| whose u8 x s8 pair sums fit oneDNN's int16 intermediates: 2 * 255 * 63 <= 32767.
@@ -136,17 +137,12 @@ def choose_int8_path(codes: torch.Tensor, kernel_available: bool) -> str:
     return "onednn_split"
 
 
-def apply() -> bool:
-    """Wrap the oneDNN post-processing if this CPU saturates; True if this call installed it."""
-    import vllm
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+def applies() -> bool:
+    """This CPU's vLLM library has the oneDNN int8 ops, and its int8 GEMM saturates (the probe)."""
+    return onednn_int8_available() and onednn_int8_saturates()
 
-    original = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
-    if getattr(original, _MARK, False) or not onednn_int8_available() or not onednn_int8_saturates():
-        return False
-    if not any(vllm.__version__.startswith(v) for v in TARGET_VERSIONS):
-        logger.warning("qurl-verl: %s written for vLLM %s, running on %s", __name__, TARGET_VERSIONS, vllm.__version__)
 
+def exact_int8_for(original):
     @functools.wraps(original)
     def process_weights_for_onednn(self, layer):
         if self.config.is_static_input_scheme or not self.config.input_symmetric:
@@ -179,9 +175,29 @@ def apply() -> bool:
         setattr(self, SPLIT_SCALE_ATTR, split_scale)
         self.linear_method = functools.partial(_apply_split, self)
 
-    setattr(process_weights_for_onednn, _MARK, True)
-    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = process_weights_for_onednn
-    return True
+    return process_weights_for_onednn
+
+
+def _wrap() -> str:
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+
+    return wrap_once(CPUInt8ScaledMMLinearKernel, "process_weights_for_onednn", exact_int8_for, _MARK)
+
+
+PATCH = Patch(
+    module=__name__,
+    target="vllm.model_executor.kernels.linear.scaled_mm.cpu:CPUInt8ScaledMMLinearKernel.process_weights_for_onednn",
+    package="vllm",
+    versions=("0.24.0", "0.32.0"),
+    when="in a vLLM-CPU worker, before the model loads, where oneDNN's int8 GEMM saturates (no VNNI/AMX)",
+    change=_wrap,
+    applies=applies,
+)
+
+
+def apply() -> str:
+    """Wrap the oneDNN post-processing if this CPU saturates; "" if not applicable or already wrapped."""
+    return PATCH.apply()
 
 
 _chosen_paths: set[str] = set()

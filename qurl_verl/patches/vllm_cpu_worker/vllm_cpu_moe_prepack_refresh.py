@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-TARGET_VERSIONS = ("0.32.0",)
+from qurl_verl.patches.contract import AFTER_RELOAD, Patch
 
 
 def stale_cpu_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
@@ -40,9 +40,24 @@ def stale_cpu_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, obj
     return found
 
 
-def refresh(model: torch.nn.Module) -> int:
-    """Pack each such layer's just-reloaded expert weights; returns how many layers were packed."""
+def _repack(model: torch.nn.Module) -> str:
     layers = stale_cpu_experts(model)
     for module, kernel in layers:
         kernel.process_weights_after_loading(module)
-    return len(layers)
+    return f"re-packed {len(layers)} MoE layer{'' if len(layers) == 1 else 's'}" if layers else ""
+
+
+PATCH = Patch(
+    module=__name__,
+    target="vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod._setup_kernel",
+    package="vllm",
+    versions=("0.32.0",),
+    when="in a vLLM-CPU worker, after every finalized reload, for full-precision MoE layers on packing CPU experts",
+    change=_repack,
+    runs=AFTER_RELOAD,
+)
+
+
+def refresh(model: torch.nn.Module) -> str:
+    """Pack each such layer's just-reloaded expert weights: "re-packed N MoE layers", "" for none."""
+    return PATCH.apply(model)

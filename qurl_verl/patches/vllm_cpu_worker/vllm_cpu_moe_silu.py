@@ -20,14 +20,12 @@ outside a config context) fails and this module can go.
 from __future__ import annotations
 
 import importlib
-import logging
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger("qurl_verl")
+from qurl_verl.patches.contract import Patch
 
-TARGET_VERSIONS = ("0.24.0",)
 CPU_FUSED_MOE_MODULE = "vllm.model_executor.layers.fused_moe.cpu_fused_moe"
 
 
@@ -46,15 +44,26 @@ def activation_table() -> dict | None:
     return getattr(module, "_CPU_MOE_ACT_FN", None)
 
 
-def apply() -> bool:
-    """Replace the SiLU entry once per process; True if this call installed it."""
-    import vllm
+def _replace_silu() -> str:
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
     table = activation_table()
     if table is None or MoEActivation.SILU not in table or table[MoEActivation.SILU] is silu_and_mul:
-        return False
-    if not any(vllm.__version__.startswith(v) for v in TARGET_VERSIONS):
-        logger.warning("qurl-verl: %s written for vLLM %s, running on %s", __name__, TARGET_VERSIONS, vllm.__version__)
+        return ""  # no table (0.32), or ours already
     table[MoEActivation.SILU] = silu_and_mul
-    return True
+    return "replaced _CPU_MOE_ACT_FN[SILU]"
+
+
+PATCH = Patch(
+    module=__name__,
+    target=f"{CPU_FUSED_MOE_MODULE}:_CPU_MOE_ACT_FN",
+    package="vllm",
+    versions=("0.24.0",),
+    when="in a vLLM-CPU worker, before the model loads, where vLLM has the CPU MoE activation table (0.24)",
+    change=_replace_silu,
+)
+
+
+def apply() -> str:
+    """Replace the SiLU entry once per process; "" where there is no table or it is ours already."""
+    return PATCH.apply()

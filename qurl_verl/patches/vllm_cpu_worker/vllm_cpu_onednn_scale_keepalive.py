@@ -19,32 +19,39 @@ reloads without the patch and expects NaN) fails and this module can go.
 from __future__ import annotations
 
 import functools
-import logging
 
-logger = logging.getLogger("qurl_verl")
+from qurl_verl.patches.contract import Patch, wrap_once
 
-TARGET_VERSIONS = ("0.32.0",)
 _MARK = "_qurl_scale_keepalive"
 KEEPALIVE_ATTR = "_qurl_weight_scale_keepalive"
 
 
-def apply() -> bool:
-    """Wrap the oneDNN post-processing once per process; True if this call installed it."""
-    import vllm
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
-
-    original = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
-    if getattr(original, _MARK, False):
-        return False
-    if not any(vllm.__version__.startswith(v) for v in TARGET_VERSIONS):
-        logger.warning("qurl-verl: %s written for vLLM %s, running on %s", __name__, TARGET_VERSIONS, vllm.__version__)
-
+def keep_scale_for(original):
     @functools.wraps(original)
     def process_weights_for_onednn(self, layer):
         original(self, layer)
         _, w_s_name, _, _, _ = self.layer_param_names
         setattr(self, KEEPALIVE_ATTR, getattr(layer, w_s_name))
 
-    setattr(process_weights_for_onednn, _MARK, True)
-    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = process_weights_for_onednn
-    return True
+    return process_weights_for_onednn
+
+
+def _wrap() -> str:
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+
+    return wrap_once(CPUInt8ScaledMMLinearKernel, "process_weights_for_onednn", keep_scale_for, _MARK)
+
+
+PATCH = Patch(
+    module=__name__,
+    target="vllm.model_executor.kernels.linear.scaled_mm.cpu:CPUInt8ScaledMMLinearKernel.process_weights_for_onednn",
+    package="vllm",
+    versions=("0.32.0",),
+    when="in a vLLM-CPU worker, before the model loads",
+    change=_wrap,
+)
+
+
+def apply() -> str:
+    """Wrap the oneDNN post-processing once per process; "" if already wrapped."""
+    return PATCH.apply()

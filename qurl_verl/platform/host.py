@@ -1,0 +1,43 @@
+"""What this machine offers the checks, probed once: CUDA and its compute capability, AMX, the
+packages the workers load (flash-attn, vLLM), and the platform verl is told to use.
+
+The checks read a ``Host`` instead of asking torch or the environment themselves, so a check is
+decided on one answer per run, and a test states the machine it means by building one.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from qurl_verl.platform.cpu_features import cpu_flags
+from qurl_verl.rollout.vllm_versions import installed_vllm_version
+from qurl_verl.settings import cpu_platform_selected
+
+
+@dataclass(frozen=True)
+class Host:
+    cuda_available: bool = False  # torch sees a GPU (a driver on a GPU-less head node does not)
+    cuda_capability: tuple[int, int] | None = None  # of the first visible GPU; None without CUDA
+    amx: bool = False  # AMX tiles (Sapphire Rapids or newer), what vLLM-CPU's sgl and MoE kernels need
+    amx_fp8: bool = False  # AMX-FP8: vLLM-CPU runs block FP8 W8A8 only there
+    flash_attn: bool = False  # the flash-attn package is installed
+    vllm_version: str | None = None  # the installed vLLM's version (distribution metadata), None without
+    vllm_importable: bool = False  # a ``vllm`` module can be imported
+    cpu_platform: bool = False  # VERL_PLATFORM=cpu
+
+    @classmethod
+    def probe(cls) -> Host:
+        """This process's answers (imports torch, not vLLM)."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        return cls(
+            cuda_available=cuda,
+            cuda_capability=tuple(torch.cuda.get_device_capability(0)) if cuda else None,
+            amx=bool(torch.cpu._is_amx_tile_supported()),
+            amx_fp8="amx_fp8" in cpu_flags(),
+            flash_attn=importlib.util.find_spec("flash_attn") is not None,
+            vllm_version=installed_vllm_version(),
+            vllm_importable=importlib.util.find_spec("vllm") is not None,
+            cpu_platform=cpu_platform_selected(),
+        )

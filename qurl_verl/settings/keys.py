@@ -1,0 +1,83 @@
+"""Where each qurl-verl setting lives in verl's config, the environment variables it reads, and the one
+reader (``select``) every group uses, so a key is spelled once."""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+PRESET_KEY = "qurl.preset"
+UAQ_KEY = "qurl.uaq"
+ROLLOUT_KEY = "actor_rollout_ref.rollout"
+ROLLOUT_NAME_KEY = f"{ROLLOUT_KEY}.name"
+QUANTIZATION_KEY = f"{ROLLOUT_KEY}.quantization"
+ROLLOUT_CUSTOM_KEY = f"{ROLLOUT_KEY}.custom.qurl"
+POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
+LOSS_MODE_KEY = f"{POLICY_LOSS_KEY}.loss_mode"
+MODEL_PATH_KEY = "actor_rollout_ref.model.path"
+ROLLOUT_CORRECTION_KEY = "algorithm.rollout_correction"
+# verl's sender packs each step's tensors into one buffer of this many MiB
+# (verl/workers/rollout/vllm_rollout/vllm_rollout.py:235-240).
+BUCKET_MB_KEY = f"{ROLLOUT_KEY}.checkpoint_engine.update_weights_bucket_megabytes"
+TRAINER_DTYPE_KEY = "actor_rollout_ref.actor.fsdp_config.model_dtype"  # fp32 by default (engine/fsdp.yaml)
+ACTOR_STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
+ATTN_IMPLEMENTATION_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
+
+ROLLOUT_NAME = "qurl_vllm"
+DRY_RUN_ENV = "QURL_DRY_RUN"
+PLATFORM_ENV = "VERL_PLATFORM"
+CPU_PLATFORM = "cpu"
+# Set by the qurl_vllm server before it launches its engine, inherited by the vLLM workers: they
+# re-pack weights through the layerwise reload, so the stock-rollout CPU patch stays off there.
+LAYERWISE_RELOAD_WORKER_ENV = "QURL_VLLM_LAYERWISE_RELOAD"
+
+
+def select(cfg: Any, dotted: str, default: Any = None) -> Any:
+    """``cfg.a.b.c`` for a DictConfig, a dict or a dataclass tree; ``default`` where any part is missing."""
+    node = cfg
+    for part in dotted.split("."):
+        if node is None:
+            return default
+        if isinstance(node, Mapping) or (hasattr(node, "get") and not hasattr(node, "__dataclass_fields__")):
+            try:
+                node = node.get(part)
+            except Exception:  # noqa: BLE001 - an interpolation or missing value reads as absent
+                return default
+        else:
+            node = getattr(node, part, None)
+    return default if node is None else node
+
+
+def show(value: Any) -> str:
+    """A value as it is written in a Hydra override."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(show(v) for v in value) + "]"
+    return str(value)
+
+
+def cpu_platform_selected() -> bool:
+    return os.environ.get(PLATFORM_ENV, "").strip().lower() == CPU_PLATFORM
+
+
+def dry_run() -> bool:
+    """``QURL_DRY_RUN=1``: check a config as the driver would, touch no checkpoint, download nothing."""
+    return os.environ.get(DRY_RUN_ENV, "").strip() == "1"
+
+
+def uses_qurl(cfg: Any) -> bool:
+    """Whether a composed config asks for anything of qurl-verl; the plugin leaves every other run alone.
+
+    A ``qurl`` preset (or node), a ``qurl_*`` policy loss, the ``qurl_vllm`` rollout, or the CPU
+    platform this package provides (``VERL_PLATFORM=cpu``).
+    """
+    loss_mode = select(cfg, LOSS_MODE_KEY)
+    return (
+        select(cfg, "qurl") is not None
+        or (isinstance(loss_mode, str) and loss_mode.startswith("qurl_"))
+        or select(cfg, ROLLOUT_NAME_KEY) == ROLLOUT_NAME
+        or cpu_platform_selected()
+    )

@@ -1,0 +1,51 @@
+"""The worker's per-sync report: ``SyncStats`` nests the stream's ``StreamStats`` yet reports the flat
+dict the trainer has always read (``qurl_last_sync``, ``qurl/sync/*`` metrics)."""
+from __future__ import annotations
+
+import pytest
+
+from qurl_verl.rollout.weight_stream import StreamStats
+
+# SyncStats' keys before it held a StreamStats (asdict of the flat dataclass); the order is not kept
+PREVIOUS_KEYS = [
+    "sync", "format", "weight_bits", "total_s", "quantize_s", "copy_s", "load_s", "finalize_s", "buckets",
+    "tensors_in", "quantized", "skipped", "bytes_in", "quantized_frac", "rss_mb", "code_change_s",
+    "changed_code_frac", "update_to_error_ratio", "tracker_resident_bytes", "tracker_row_stride",
+]
+
+
+@pytest.fixture(scope="module")
+def sync_stats():
+    pytest.importorskip("vllm", reason="needs vLLM")
+    from qurl_verl.rollout.worker_extension import SyncStats
+
+    return SyncStats
+
+
+def test_the_flat_report_keeps_the_previous_keys(sync_stats):
+    flat = sync_stats(sync=1, format="int8").as_dict()
+    assert sorted(flat) == sorted(PREVIOUS_KEYS)
+    assert flat["quantized_frac"] is None  # nothing streamed yet, as before
+    unset = {"format", "quantized_frac", "changed_code_frac", "update_to_error_ratio"}  # a str, and the Nones
+    assert sorted(sync_stats(sync=1, format="int8").as_metrics()) == sorted(
+        f"qurl/sync/{k}" for k in PREVIOUS_KEYS if k not in unset
+    )
+
+
+def test_the_flat_report_reads_the_stream_it_holds(sync_stats):
+    stream = StreamStats()
+    stats = sync_stats(sync=2, format="fp8", stream=stream, load_s=0.5, changed_code_frac=0.25)
+    stream.tensors_in, stream.quantized, stream.passed_through, stream.skipped = 10, 6, 3, 1
+    stream.numel_in, stream.quantized_numel, stream.bytes_in = 400, 300, 1600
+    stream.quantize_s, stream.copy_s, stream.code_change_s = 0.125, 0.0625, 0.03125
+    flat = stats.as_dict()
+    assert sorted(flat) == sorted(PREVIOUS_KEYS)  # passed_through and the element counts stay internal
+    assert {k: flat[k] for k in ("tensors_in", "quantized", "skipped", "bytes_in", "quantize_s", "copy_s",
+                                 "code_change_s", "quantized_frac", "load_s", "changed_code_frac")} == {
+        "tensors_in": 10, "quantized": 6, "skipped": 1, "bytes_in": 1600, "quantize_s": 0.125, "copy_s": 0.0625,
+        "code_change_s": 0.03125, "quantized_frac": 0.75, "load_s": 0.5, "changed_code_frac": 0.25,
+    }
+    metrics = stats.as_metrics()
+    assert metrics["qurl/sync/quantize_s"] == 0.125 and metrics["qurl/sync/tensors_in"] == 10.0
+    assert metrics["qurl/sync/quantized_frac"] == 0.75 and "qurl/sync/format" not in metrics
+    assert "qurl/sync/update_to_error_ratio" not in metrics  # None: left out, as before
