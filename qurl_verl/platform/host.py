@@ -7,6 +7,7 @@ decided on one answer per run, and a test states the machine it means by buildin
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
 
 from qurl_verl.platform.cpu_features import cpu_flags
@@ -24,6 +25,8 @@ class Host:
     vllm_version: str | None = None  # the installed vLLM's version (distribution metadata), None without
     vllm_importable: bool = False  # a ``vllm`` module can be imported
     cpu_platform: bool = False  # VERL_PLATFORM=cpu
+    usable_cpus: int = 1  # the CPUs this process may run on (its affinity), what vLLM-CPU ranks here share
+    outside_ray_cluster: bool = False  # RAY_ADDRESS is set: main_ppo joins a cluster, whose nodes are not this one
 
     @classmethod
     def probe(cls) -> Host:
@@ -40,4 +43,6 @@ class Host:
             vllm_version=installed_vllm_version(),
             vllm_importable=importlib.util.find_spec("vllm") is not None,
             cpu_platform=cpu_platform_selected(),
+            usable_cpus=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1),
+            outside_ray_cluster=bool(os.environ.get("RAY_ADDRESS")),
         )

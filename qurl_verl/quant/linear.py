@@ -46,6 +46,7 @@ class W8A8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.fmt = resolve_format(fmt)
         self.granularity, self.fake, self.block_size = granularity, fake, block_size
+        self.input_shards = 1  # > 1: computed as that many row-parallel TP ranks (``shard_input_``)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=self.fmt.dtype, device=device))
         scale_shape = (
             (out_features, 1)
@@ -77,12 +78,32 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qw = self.quantized_weight()
+        if self.input_shards == 1:
+            return self._product(x, qw, self.bias).to(x.dtype)
+        # A row-parallel layer under tensor parallelism (vLLM's o_proj / down_proj at TP > 1): each rank
+        # holds a slice of the input features and quantizes it with a per-token scale of its own, so the
+        # activation codes depend on the TP size; the partial products are summed (the all-reduce) and
+        # the bias is added once.
+        k = self.in_features // self.input_shards
+        out = sum(self._product(x[..., r * k:(r + 1) * k], qw.column_slice(r * k, (r + 1) * k), None)
+                  for r in range(self.input_shards))
+        return (out if self.bias is None else out + self.bias.to(torch.float32)).to(x.dtype)
+
+    def shard_input_(self, shards: int) -> W8A8Linear:
+        """Compute as ``shards`` row-parallel ranks do together (see ``forward``); per-channel weights only."""
+        if shards < 1 or self.in_features % shards or (shards > 1 and self.granularity != "channel"):
+            raise ValueError(f"cannot split {self.in_features} input features of a {self.granularity!r} layer "
+                             f"into {shards} row-parallel shards")
+        self.input_shards = shards
+        return self
+
+    def _product(self, x: torch.Tensor, qw: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` through 8-bit activations, in float32."""
         if not self.fake:
-            return w8a8_linear(x, qw, bias=self.bias, out_dtype=x.dtype)
+            return w8a8_linear(x, qw, bias=bias, out_dtype=torch.float32)
         act = ACTIVATION_FOR_WEIGHT[self.granularity]
         x_fq = fake_quantize(x.to(torch.float32), activation_format(self.fmt), act, block_size=self.block_size)
-        bias = None if self.bias is None else self.bias.to(torch.float32)
-        return F.linear(x_fq, qw.dequantize(torch.float32), bias).to(x.dtype)
+        return F.linear(x_fq, qw.dequantize(torch.float32), None if bias is None else bias.to(torch.float32))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -67,6 +67,12 @@ class QuantizedTensor:
             return scale.repeat_interleave(b, 0)[:n].repeat_interleave(b, 1)[:, :k]
         return scale.repeat_interleave(b, -1)[..., : self.data.shape[-1]]  # group
 
+    def column_slice(self, start: int, stop: int) -> QuantizedTensor:
+        """Input columns ``start:stop`` of a per-channel weight: its scales (one per output row) stay whole."""
+        if self.granularity != "channel":
+            raise ValueError(f"a column slice keeps its scales only for 'channel' weights, not {self.granularity!r}")
+        return QuantizedTensor(self.data[:, start:stop], self.scale, self.fmt, self.granularity, self.block_size)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         # float64 requests are computed in float64 so references stay exact.
         compute = torch.float64 if dtype == torch.float64 else torch.float32

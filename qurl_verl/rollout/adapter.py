@@ -7,7 +7,8 @@ quantizes them (see ``weight_stream``). This subclass only
   width (``custom.qurl.weight_bits``);
 * keeps what the engine reports about each sync in ``last_sync_stats`` and publishes it through
   ``qurl_verl.patches.qurl_vllm.loss_metrics_channel`` (installed here; any policy loss logs it): ``qurl/sync/*`` (quantize / load / total
-  seconds, bytes, worker RSS) and ``qurl/update/changed_code_frac`` and
+  seconds of the slowest TP rank, bytes, worker RSS summed over the engine's ranks, ``ranks``: see
+  ``sync_stats.combine_ranks``) and ``qurl/update/changed_code_frac`` and
   ``qurl/update/update_to_error_ratio`` (from the second sync on);
 * refuses the delta wire format, which only patches changed bf16 values in place.
 """
@@ -18,6 +19,7 @@ import logging
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
 from qurl_verl.patches.qurl_vllm import loss_metrics_channel
+from qurl_verl.rollout.sync_stats import combine_ranks
 from qurl_verl.settings import RolloutSettings
 
 logger = logging.getLogger("qurl_verl")
@@ -54,7 +56,7 @@ class QurlServerAdapter(ServerAdapter):
         )
         if self._sync_future is not None:
             per_worker = await self._sync_future
-            self.last_sync_stats = next((s for s in per_worker or () if s), None)
+            self.last_sync_stats = combine_ranks(per_worker or ())
             logger.info("qurl_vllm sync (step %s): %s", global_steps, self.last_sync_stats)
             loss_metrics_channel.publish(self.sync_metrics(), replace_prefix="qurl/sync/")
             update = self.update_metrics()

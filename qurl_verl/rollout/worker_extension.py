@@ -32,7 +32,6 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
 
 import psutil
 import torch
@@ -44,47 +43,12 @@ from qurl_verl.quant import UpdateVisibilityTracker
 from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
 from qurl_verl.rollout import int8_gemm_report, layerwise_reload
 from qurl_verl.rollout.layerwise_reload import WeightReloadError
-from qurl_verl.rollout.weight_stream import StreamStats, WeightStreamQuantizer
+from qurl_verl.rollout.sync_stats import SyncStats
+from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 from qurl_verl.settings import DEFAULT_WEIGHT_BITS, RolloutSettings
 from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES, tied_output_embedding
 
 logger = logging.getLogger("qurl_verl")
-
-
-@dataclass
-class SyncStats:
-    """Cost of one weight sync inside the vLLM worker (seconds; bytes as received).
-
-    Reported flat (``as_dict``): the stream's counters (``StreamStats.report``) beside the sync's own."""
-
-    sync: int
-    format: str
-    weight_bits: int = DEFAULT_WEIGHT_BITS  # integer code width of the quantized weights (8 = INT8)
-    total_s: float = 0.0
-    load_s: float = 0.0  # model.load_weights, including each layer's post-processing (prepack)
-    finalize_s: float = 0.0
-    buckets: int = 0
-    stream: StreamStats = field(default_factory=StreamStats)  # the stream's own, counted as it runs
-    rss_mb: float = 0.0  # worker resident memory after the sync, to watch for leaks
-    # QuRL's weight-update problem: share of the tracked 8-bit codes this sync changed, and
-    # ||W_new - W_prev|| / ||Q(W_prev) - W_prev|| (None on the first sync or with tracking off)
-    changed_code_frac: float | None = None
-    update_to_error_ratio: float | None = None
-    # The tracker's state (CPU, bounded): bytes held across syncs, and the row stride it samples at
-    # (the requested one, or larger where the byte cap needed it; 0 = tracking off)
-    tracker_resident_bytes: int = 0
-    tracker_row_stride: int = 0
-
-    def as_dict(self) -> dict:
-        """What ``qurl_last_sync`` returns to the trainer: one flat dict, ``stream`` spread in place."""
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out.update(value.report() if f.name == "stream" else {f.name: value})
-        return out
-
-    def as_metrics(self, prefix: str = "qurl/sync/") -> dict[str, float]:
-        return {prefix + k: float(v) for k, v in self.as_dict().items() if k != "format" and v is not None}
 
 
 class QurlWorkerExtension(vLLMColocateWorkerExtension):

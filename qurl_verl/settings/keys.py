@@ -22,6 +22,10 @@ BUCKET_MB_KEY = f"{ROLLOUT_KEY}.checkpoint_engine.update_weights_bucket_megabyte
 TRAINER_DTYPE_KEY = "actor_rollout_ref.actor.fsdp_config.model_dtype"  # fp32 by default (engine/fsdp.yaml)
 ACTOR_STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
 ATTN_IMPLEMENTATION_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
+# the rollout engine's parallel sizes (verl's rollout.yaml); their product is one replica's ranks
+ROLLOUT_PARALLEL_KEYS = tuple(f"{ROLLOUT_KEY}.{k}_parallel_size" for k in ("tensor_model", "data", "pipeline_model"))
+NNODES_KEY = "trainer.nnodes"
+GPUS_PER_NODE_KEY = "trainer.n_gpus_per_node"
 
 ROLLOUT_NAME = "qurl_vllm"
 DRY_RUN_ENV = "QURL_DRY_RUN"

@@ -166,3 +166,40 @@ class ForcedAmxInt8WorkerExtension(Int8GemmProbeWorkerExtension):
         sgl_int8_stand_in.force_choice()
         vllm_cpu_int8_fp32_onednn.applies = lambda: True
         super()._install_cpu_patches()
+
+
+class ShardProbeWorkerExtension(QurlWorkerExtension):
+    """The production extension, plus a copy of what each INT8 linear holds on this rank right before
+    vLLM post-processes it (the oneDNN kernel then packs the codes and drops ``layer.weight``)."""
+
+    _probe_shards: dict = {}
+
+    def probe_record_shards(self) -> int:
+        """From now on, keep each INT8 layer's ``weight`` codes and ``weight_scale`` as loaded; the rank's TP index."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+        from vllm.model_executor.layers.quantization.compressed_tensors.schemes.compressed_tensors_w8a8_int8 import (
+            CompressedTensorsW8A8Int8,
+        )
+
+        scheme = CompressedTensorsW8A8Int8
+        if not getattr(scheme.process_weights_after_loading, "_probe_shards", False):
+            original = scheme.process_weights_after_loading
+
+            def record_then_process(self_scheme, layer):
+                ShardProbeWorkerExtension._probe_shards[layer.prefix] = {
+                    "weight": layer.weight.detach().clone(), "weight_scale": layer.weight_scale.detach().clone()}
+                return original(self_scheme, layer)
+
+            record_then_process._probe_shards = True
+            scheme.process_weights_after_loading = record_then_process
+        ShardProbeWorkerExtension._probe_shards = {}
+        return get_tensor_model_parallel_rank()
+
+    def probe_recorded_shards(self) -> bytes:
+        buf = io.BytesIO()
+        torch.save(ShardProbeWorkerExtension._probe_shards, buf)
+        return buf.getvalue()
+
+    def probe_broken(self) -> str | None:
+        """Why this rank refuses syncs (an earlier one failed), or None."""
+        return self._qurl_broken

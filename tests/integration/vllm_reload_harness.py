@@ -108,33 +108,37 @@ class TrainerWeights:
 
 
 def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row_stride: int = 8,
-                 weight_bits: int = 8) -> list:
+                 weight_bits: int = 8, ranks: int = 1) -> list:
     """One verl-style weight sync: verl's BucketedWeightSender here, the worker's receiver there
-    (called with the keywords QurlServerAdapter adds)."""
+    (called with the keywords QurlServerAdapter adds). With ``ranks`` > 1 (a TP engine) every rank
+    gets the full tensors from a sender of its own, as each colocated trainer rank sends them."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    handle = f"ipc:///tmp/rl-colocate-zmq-{JOB_ID}-replica-0-rank-0.sock"  # the worker's _get_zmq_handle
-    sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=bucket_mb, use_shm=True)
+    tensors = list(named_tensors)
     errors = []
 
-    def send():
+    def send(rank):
+        handle = f"ipc:///tmp/rl-colocate-zmq-{JOB_ID}-replica-0-rank-{rank}.sock"  # the worker's _get_zmq_handle
+        sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=bucket_mb, use_shm=True)
         try:
-            asyncio.run(sender.async_send_weights(named_tensors))
+            asyncio.run(sender.async_send_weights(iter(tensors)))
         except BaseException as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
+    threads = [threading.Thread(target=send, args=(rank,), daemon=True) for rank in range(ranks)]
+    for thread in threads:
+        thread.start()
     rpc_error = None
     try:
         kwargs = {"use_shm": True, "code_change_row_stride": code_change_row_stride}
         if weight_bits != 8:
             kwargs["weight_bits"] = weight_bits
         results = llm.collective_rpc("update_weights_from_ipc", kwargs=kwargs)
-    except Exception as e:  # noqa: BLE001 - re-raised once the sender is accounted for
+    except Exception as e:  # noqa: BLE001 - re-raised once the senders are accounted for
         rpc_error = e
-    thread.join(timeout=60)
-    assert not thread.is_alive(), "the sender is still waiting: the engine stopped taking buckets"
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a sender is still waiting: the engine stopped taking buckets"
     assert not errors, errors
     if rpc_error is not None:
         raise rpc_error
@@ -142,7 +146,7 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
 
 
 def start_engine(model_dir: Path, settings, dtype: str,
-                 extension: str = "qurl_verl.rollout.worker_extension.QurlWorkerExtension"):
+                 extension: str = "qurl_verl.rollout.worker_extension.QurlWorkerExtension", tensor_parallel_size: int = 1):
     """An engine built the way QurlvLLMHttpServer builds it: dummy weights, our quantization."""
     from vllm import LLM
 
@@ -159,6 +163,8 @@ def start_engine(model_dir: Path, settings, dtype: str,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=extension,
         seed=0,
+        tensor_parallel_size=tensor_parallel_size,
+        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
     )
 
 
@@ -202,10 +208,15 @@ def engine_logprobs(llm, prompts: list[list[int]], max_tokens: int = 16, tempera
     return seqs, lps
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")  # vLLM's RowParallelLinear layers of the decoder
+
+
 @torch.no_grad()
-def reference_model(model_dir: Path, master: dict[str, torch.Tensor], settings, dtype: torch.dtype):
+def reference_model(model_dir: Path, master: dict[str, torch.Tensor], settings, dtype: torch.dtype,
+                    tensor_parallel_size: int = 1):
     """HF Qwen2 in the engine's dtype with the trainer's weights; targeted linears as W8A8 reference layers
-    quantized from the fp32 masters, exactly the tensors the engine received."""
+    quantized from the fp32 masters, exactly the tensors the engine received. At TP > 1 the row-parallel
+    layers quantize each rank's slice of their input on its own, as the engine's ranks do."""
     from transformers import AutoModelForCausalLM
 
     from qurl_verl.quant.linear import W8A8Linear, quantize_linear_modules_
@@ -217,6 +228,8 @@ def reference_model(model_dir: Path, master: dict[str, torch.Tensor], settings, 
         for name, module in model.named_modules():
             if isinstance(module, W8A8Linear):
                 module.load_weight_(master[f"{name}.weight"], name=f"{name}.weight")
+                if name.rpartition(".")[2] in ROW_PARALLEL:
+                    module.shard_input_(tensor_parallel_size)
     return model.eval()
 
 

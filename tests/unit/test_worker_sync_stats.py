@@ -2,8 +2,11 @@
 dict the trainer has always read (``qurl_last_sync``, ``qurl/sync/*`` metrics)."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from qurl_verl.rollout.sync_stats import SAME_ON_EVERY_RANK, SUMMED_OVER_RANKS, SyncStats, combine_ranks
 from qurl_verl.rollout.weight_stream import StreamStats
 
 # SyncStats' keys before it held a StreamStats (asdict of the flat dataclass); the order is not kept
@@ -16,9 +19,6 @@ PREVIOUS_KEYS = [
 
 @pytest.fixture(scope="module")
 def sync_stats():
-    pytest.importorskip("vllm", reason="needs vLLM")
-    from qurl_verl.rollout.worker_extension import SyncStats
-
     return SyncStats
 
 
@@ -49,3 +49,31 @@ def test_the_flat_report_reads_the_stream_it_holds(sync_stats):
     assert metrics["qurl/sync/quantize_s"] == 0.125 and metrics["qurl/sync/tensors_in"] == 10.0
     assert metrics["qurl/sync/quantized_frac"] == 0.75 and "qurl/sync/format" not in metrics
     assert "qurl/sync/update_to_error_ratio" not in metrics  # None: left out, as before
+
+
+def test_every_reported_key_has_a_rule_for_combining_ranks():
+    keys = set(SyncStats(sync=1, format="int8").as_dict())
+    timed = {k for k in keys if k.endswith("_s")}
+    assert keys == timed | set(SUMMED_OVER_RANKS) | set(SAME_ON_EVERY_RANK)
+    assert not timed & set(SUMMED_OVER_RANKS) and not timed & set(SAME_ON_EVERY_RANK)
+
+
+def rank(load_s: float, rss_mb: float, quantized: int = 14, **kw) -> dict:
+    return {**SyncStats(sync=3, format="int8", load_s=load_s, total_s=load_s + 1, rss_mb=rss_mb,
+                        tracker_resident_bytes=100, **kw).as_dict(), "quantized": quantized}
+
+
+def test_an_engine_reports_its_slowest_rank_and_the_memory_of_all(caplog):
+    with caplog.at_level(logging.WARNING, logger="qurl_verl"):
+        both = combine_ranks([rank(0.5, 300.0, changed_code_frac=0.25), None, rank(2.0, 200.0, changed_code_frac=0.25)])
+    assert both["load_s"] == 2.0 and both["total_s"] == 3.0  # the sync ends with its slowest rank
+    assert both["rss_mb"] == 500.0 and both["tracker_resident_bytes"] == 200  # host memory of every rank
+    assert both["changed_code_frac"] == 0.25 and both["quantized"] == 14 and both["ranks"] == 2
+    assert not caplog.records
+    assert combine_ranks([None, None]) is None
+
+
+def test_ranks_that_disagree_on_the_stream_are_logged(caplog):
+    with caplog.at_level(logging.WARNING, logger="qurl_verl"):
+        combine_ranks([rank(0.5, 1.0, quantized=14), rank(0.5, 1.0, quantized=13)])
+    assert "ranks disagree on quantized" in caplog.text

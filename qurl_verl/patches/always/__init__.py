@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from qurl_verl.patches.contract import Patch, apply_each, group_patches
 
-ORDER = ("validate_config_hook",)
+ORDER = ("validate_config_hook", "ray_runtime_env")
 
 
 def patches() -> list[Patch]:

@@ -7,6 +7,7 @@ ORDER = (
     "gloo_backend_dedup",
     "cpu_engine_lookup",
     "weight_sync_ack_timeout",
+    "vllm_cpu_thread_binding",
     "value_model_attention",
     "vllm_cpu_unquantized_gemm",  # not in qurl_vllm's engine processes (its applies-predicate)
 )
