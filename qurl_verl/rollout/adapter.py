@@ -8,7 +8,8 @@ quantizes them (see ``weight_stream``). This subclass only
 * keeps what the engine reports about each sync in ``last_sync_stats`` and publishes it through
   ``qurl_verl.patches.qurl_vllm.loss_metrics_channel`` (installed here; any policy loss logs it): ``qurl/sync/*`` (quantize / load / total
   seconds of the slowest TP rank, bytes, worker RSS summed over the engine's ranks, ``ranks``: see
-  ``sync_stats.combine_ranks``) and ``qurl/update/changed_code_frac`` and
+  ``sync_stats.combine_ranks``), ``qurl/sync/checksum/replica_<r>`` (equal across replicas that loaded the
+  same bits) and ``qurl/update/changed_code_frac`` and
   ``qurl/update/update_to_error_ratio`` (from the second sync on);
 * refuses the delta wire format, which only patches changed bf16 values in place.
 """
@@ -66,11 +67,14 @@ class QurlServerAdapter(ServerAdapter):
     def sync_metrics(self) -> dict[str, float]:
         """The last sync's worker-side costs, ``qurl/sync/<field>`` (empty before the first sync)."""
         stats = self.last_sync_stats or {}
-        return {
+        metrics = {
             f"qurl/sync/{k}": float(v)
             for k, v in stats.items()
-            if k not in UPDATE_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool)
+            if k not in UPDATE_KEYS and k != "checksum" and isinstance(v, (int, float)) and not isinstance(v, bool)
         }
+        if stats.get("checksum") is not None:  # one key per replica: verl averages a key over ranks
+            metrics[f"qurl/sync/checksum/replica_{getattr(self, 'replica_rank', 0)}"] = float(stats["checksum"])
+        return metrics
 
     def update_metrics(self) -> dict[str, float]:
         """What the last sync changed in the 8-bit codes, ``qurl/update/<field>`` (empty if untracked)."""

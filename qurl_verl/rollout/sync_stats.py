@@ -22,7 +22,7 @@ logger = logging.getLogger("qurl_verl")
 SUMMED_OVER_RANKS = ("rss_mb", "tracker_resident_bytes")
 # the same on every rank of an engine when its stream is whole: each rank sees every tensor
 SAME_ON_EVERY_RANK = ("sync", "format", "weight_bits", "buckets", "tensors_in", "quantized", "skipped", "bytes_in",
-                      "quantized_frac", "changed_code_frac", "update_to_error_ratio", "tracker_row_stride")
+                      "quantized_frac", "changed_code_frac", "update_to_error_ratio", "tracker_row_stride", "checksum")
 
 
 @dataclass

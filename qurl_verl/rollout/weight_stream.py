@@ -31,6 +31,7 @@ The numerics live in ``qurl_verl.quant``; this module only decides what goes whe
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
@@ -49,6 +50,22 @@ CASTABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _NOT_REPORTED = {"reported": False}
 
 
+# The checksum stays below 2**40, so a metric averaged over a replica's ranks keeps it exact in float64.
+CHECKSUM_MODULUS = 2**40 - 87  # a prime
+CHECKSUM_MULTIPLIER = 1_000_003
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """The sum of ``t``'s bit patterns read as integers, plus its shape: exact, and independent of the
+    order in which the sum runs (one pass over the tensor, on its own device)."""
+    bits = t.detach().contiguous().view(_SAME_SIZE_INT[t.element_size()]) if t.is_floating_point() else t.detach()
+    checksum = int(bits.sum(dtype=torch.int64)) % CHECKSUM_MODULUS
+    for size in t.shape:
+        checksum = (checksum * CHECKSUM_MULTIPLIER + size) % CHECKSUM_MODULUS
+    return checksum
+
+
 @dataclass
 class StreamStats:
     tensors_in: int = 0
@@ -61,6 +78,9 @@ class StreamStats:
     quantize_s: float = 0.0  # quantizing the targeted weights
     copy_s: float = 0.0  # copying the pass-through tensors out of the transport buffer (and casting)
     code_change_s: float = 0.0  # the update-visibility tracker
+    # a checksum of every tensor the stream handed the engine (codes, scales, pass-through), by name:
+    # equal on two replicas that loaded the same bits, whatever their buckets (``tensor_checksum``)
+    checksum: int = 0
 
     @property
     def quantized_frac(self) -> float | None:
@@ -133,6 +153,8 @@ class WeightStreamQuantizer:
         self.stats.bytes_in += sum(t.numel() * t.element_size() for _, t in received)
         self.stats.numel_in += sum(t.numel() for _, t in bucket)
         self.stats.quantized_numel += sum(t.numel() for _, t in targets)
+        for name, t in out:  # order-free: buckets may be cut differently; each tensor weighted by its name
+            self.stats.checksum = (self.stats.checksum + (zlib.crc32(name.encode()) + 1) * tensor_checksum(t)) % CHECKSUM_MODULUS
         return out
 
     def _observe(self, targets, quantized) -> None:

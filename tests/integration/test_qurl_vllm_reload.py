@@ -155,7 +155,11 @@ def test_failed_sync_is_fatal_and_loud(int8_engine, tiny_model_dir):
         sync_weights(int8_engine, iter(bad.items()))
     with pytest.raises(Exception, match="earlier weight sync failed"):
         sync_weights(int8_engine, trainer.named_tensors())
-    with pytest.raises(Exception, match="half-reloaded"):
+    # the poisoned model raises in the engine's forward; vLLM then ends the engine core, and the client
+    # sees its EngineDeadError (the worker's log holds our message)
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    with pytest.raises((EngineDeadError, RuntimeError), match="half-reloaded|EngineCore encountered an issue"):
         engine_logprobs(int8_engine, prompt_ids(tiny_model_dir)[:1], max_tokens=2)
 
 

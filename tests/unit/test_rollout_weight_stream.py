@@ -188,3 +188,30 @@ def test_a_tied_lm_head_is_counted_but_never_copied(state, monkeypatch, tied):
     assert stream.stats.tensors_in == len(sent) and stream.stats.skipped == (1 if tied else 0)
     assert stream.stats.quantized + stream.stats.passed_through + stream.stats.skipped == len(sent)
     assert stream.stats.bytes_in == sum(t.numel() * t.element_size() for t in sent.values())  # as received
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+def test_the_checksum_tells_two_replicas_apart_exactly_when_their_bits_differ(state, fmt):
+    """Two replicas stream the same tensors, in buckets cut differently: same checksum. One code in one
+    weight, or one bit in a pass-through tensor, changes it."""
+    settings = RolloutSettings(format=fmt)
+    items = list(state.items())
+
+    def checksum(named, bucket=4):
+        stream = WeightStreamQuantizer(settings)
+        for i in range(0, len(named), bucket):
+            stream.transform(named[i:i + bucket])
+        return stream.stats.checksum
+
+    base = checksum(items)
+    assert base == checksum(items, bucket=7) and 0 < base < 2**40
+    name = "model.layers.1.self_attn.q_proj.weight"
+    w = state[name]
+    bumped = w.clone()
+    j = w[1].abs().argmax()
+    bumped[1, j] = -w[1, j]  # the row's largest element, negated: same scale, one code of another sign
+    assert checksum([(n, bumped if n == name else t) for n, t in items]) != base
+    norm = "model.norm.weight"
+    flipped = state[norm].clone()
+    flipped[0] = torch.nextafter(flipped[0], torch.tensor(float("inf")))
+    assert checksum([(n, flipped if n == norm else t) for n, t in items]) != base

@@ -14,6 +14,7 @@ PREVIOUS_KEYS = [
     "sync", "format", "weight_bits", "total_s", "quantize_s", "copy_s", "load_s", "finalize_s", "buckets",
     "tensors_in", "quantized", "skipped", "bytes_in", "quantized_frac", "rss_mb", "code_change_s",
     "changed_code_frac", "update_to_error_ratio", "tracker_resident_bytes", "tracker_row_stride",
+    "checksum",  # added with the replicas' agreement check
 ]
 
 

@@ -1,0 +1,101 @@
+"""The topologies users run, as verl's own main_ppo on CPU with `+qurl=int8`: two FSDP ranks with
+rollout TP 2, two rollout replicas, and two Ray nodes joined through ``RAY_ADDRESS``.
+
+Each run is the tiny CPU recipe for two steps under the deadline and clean-up of
+``test_main_ppo_cpu.py``. What each one checks:
+
+* TP 2 (one replica of two ranks, two FSDP ranks): no ``VLLM_CPU_OMP_THREADS_BIND`` from the user
+  (the rollout server binds its ranks); each sync reports two ranks; both ranks received the same
+  bits from their FSDP2 rank's full-tensor gather (``combine_ranks`` logs any disagreement).
+* two replicas (TP 1, two FSDP ranks): both replicas report the same stream checksum at every
+  sync, and a new one at the next: they hold the same codes, and the trainer's new ones.
+* two Ray nodes (``ray.cluster_utils.Cluster``, one logical GPU each, started without any of the
+  run's variables): ``trainer.nnodes=2`` with a shared UAQ directory; the CPU platform reaches the
+  workers and the metrics reach the file named in the driver's shell. The cluster is stopped, and
+  no process of it left, whatever the run did.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import psutil
+import pytest
+from test_main_ppo_cpu import end_processes, run_recipe
+
+STEPS = 2
+TWO_RANKS = ["trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2"]
+# the run's own variables, which the test process must not hand the Ray nodes it starts
+RUN_VARIABLES = ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "VERL_FILE_LOGGER_PATH", "VLLM_CPU_OMP_THREADS_BIND")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in list(os.environ):
+        if key in RUN_VARIABLES or key.startswith("QURL_"):
+            monkeypatch.delenv(key)
+
+
+def assert_trained(proc, rows):
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-6000:])
+    assert len(rows) == STEPS, rows
+    for r in rows:
+        assert math.isfinite(r["actor/qurl/kl_behav_prox_k3"]) and 0 <= r["actor/qurl/kl_behav_prox_k3"] < 0.05, r
+        assert r["actor/qurl/sync/quantized"] > 0, r
+
+
+@pytest.mark.e2e
+def test_two_fsdp_ranks_with_rollout_tp2(tmp_path, clean_env):
+    proc, rows = run_recipe(tmp_path, STEPS, *TWO_RANKS, "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                            timeout=1200)
+    assert_trained(proc, rows)
+    assert all(r["actor/qurl/sync/ranks"] == 2 for r in rows), [r.get("actor/qurl/sync/ranks") for r in rows]
+    log = proc.stdout + proc.stderr
+    assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log  # the server bound its two ranks
+    assert "ranks disagree" not in log  # both TP ranks streamed the same bits
+
+
+def replica_checksums(row: dict) -> dict[str, float]:
+    return {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("actor/qurl/sync/checksum/")}
+
+
+@pytest.mark.e2e
+def test_two_replicas_hold_the_same_codes(tmp_path, clean_env):
+    proc, rows = run_recipe(tmp_path, STEPS, *TWO_RANKS, timeout=1200)
+    assert_trained(proc, rows)
+    sums = [replica_checksums(r) for r in rows]
+    assert all(set(s) == {"replica_0", "replica_1"} for s in sums), sums
+    assert all(s["replica_0"] == s["replica_1"] for s in sums), sums
+    assert sums[0]["replica_0"] != sums[1]["replica_0"], sums  # the second sync brought new weights
+    assert all(r["actor/qurl/sync/ranks"] == 1 for r in rows)
+
+
+def cluster_processes(root: psutil.Process) -> list[psutil.Process]:
+    try:
+        return [p for p in root.children(recursive=True) if p.is_running()]
+    except psutil.Error:
+        return []
+
+
+@pytest.mark.e2e
+def test_two_ray_nodes_joined_through_ray_address(tmp_path, clean_env, monkeypatch):
+    from ray.cluster_utils import Cluster
+
+    before = {p.pid for p in cluster_processes(psutil.Process())}
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": 8, "num_gpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=8, num_gpus=1)
+        cluster.wait_for_nodes(timeout=120)
+        monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        proc, rows = run_recipe(
+            tmp_path, STEPS, "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+            "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",
+            f"qurl.uaq.cache_dir={tmp_path / 'uaq'}", timeout=1200,
+        )
+    finally:
+        cluster.shutdown()
+        left = [p for p in cluster_processes(psutil.Process()) if p.pid not in before]
+        end_processes(left, grace_s=15)
+    assert_trained(proc, rows)  # the metrics file the driver's shell named was written
+    assert not [p for p in cluster_processes(psutil.Process()) if p.pid not in before]
