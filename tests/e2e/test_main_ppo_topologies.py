@@ -6,7 +6,8 @@ Each run is the tiny CPU recipe for two steps under the deadline and clean-up of
 
 * TP 2 (one replica of two ranks, two FSDP ranks): no ``VLLM_CPU_OMP_THREADS_BIND`` from the user
   (the rollout server binds its ranks); each sync reports two ranks; both ranks received the same
-  bits from their FSDP2 rank's full-tensor gather (``combine_ranks`` logs any disagreement).
+  bits from their FSDP2 rank's full-tensor gather (``combine_ranks`` logs any disagreement), and at
+  the first sync those are the bits of the whole checkpoint, streamed here without FSDP.
 * two replicas (TP 1, two FSDP ranks): both replicas report the same stream checksum at every
   sync, and a new one at the next: they hold the same codes, and the trainer's new ones.
 * two Ray nodes (``ray.cluster_utils.Cluster``, one logical GPU each, started without any of the
@@ -52,7 +53,27 @@ def test_two_fsdp_ranks_with_rollout_tp2(tmp_path, clean_env):
     assert all(r["actor/qurl/sync/ranks"] == 2 for r in rows), [r.get("actor/qurl/sync/ranks") for r in rows]
     log = proc.stdout + proc.stderr
     assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log  # the server bound its two ranks
-    assert "ranks disagree" not in log  # both TP ranks streamed the same bits
+    assert "ranks disagree" not in log  # both TP ranks streamed the same bits ...
+    assert replica_checksums(rows[0]) == {"replica_0": unsharded_checksum(tmp_path)}  # ... the whole masters
+
+
+def unsharded_checksum(out) -> int:
+    """The stream checksum of the run's first sync, computed here from the checkpoint the actor started from
+    (the UAQ-converted copy the driver wrote, read whole): what two FSDP ranks must have gathered and sent."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
+    from qurl_verl.settings import RolloutSettings
+    from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES
+
+    (checkpoint,) = (out / "cache" / "uaq").iterdir()
+    state = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    engine_dtypes = {name: torch.bfloat16 for name in state}  # the rollout's dtype, for pass-through tensors
+    stream = WeightStreamQuantizer(RolloutSettings(format="int8"), param_dtypes=engine_dtypes,
+                                   skip=frozenset(TIED_LM_HEAD_NAMES))
+    stream.transform(state.items())
+    return stream.stats.checksum
 
 
 def replica_checksums(row: dict) -> dict[str, float]:
@@ -67,6 +88,7 @@ def test_two_replicas_hold_the_same_codes(tmp_path, clean_env):
     assert all(set(s) == {"replica_0", "replica_1"} for s in sums), sums
     assert all(s["replica_0"] == s["replica_1"] for s in sums), sums
     assert sums[0]["replica_0"] != sums[1]["replica_0"], sums  # the second sync brought new weights
+    assert sums[0]["replica_0"] == unsharded_checksum(tmp_path), sums  # FSDP2 gathered the whole masters
     assert all(r["actor/qurl/sync/ranks"] == 1 for r in rows)
 
 
