@@ -147,8 +147,10 @@ def build_tokenizer(spec: TinyModelSpec):
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), dtype: str = "bfloat16") -> Path:
-    """Write an HF model folder (config, safetensors, tokenizer, chat template) to `out_dir`."""
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(), dtype: str = "bfloat16",
+                     weights: bool = True) -> Path:
+    """Write an HF model folder (config, safetensors, tokenizer, chat template) to `out_dir`; with
+    ``weights=False`` no safetensors (an engine that starts on dummy weights needs none)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -177,6 +179,10 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec(),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         torch_dtype=dtype,
     )
+    if not weights:
+        cfg.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        return out
     torch.manual_seed(spec.seed)
     return _save(Qwen2ForCausalLM(cfg).to(getattr(torch, dtype)), tokenizer, out, spec, dtype)
 

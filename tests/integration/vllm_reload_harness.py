@@ -111,17 +111,23 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
                  weight_bits: int = 8, ranks: int = 1) -> list:
     """One verl-style weight sync: verl's BucketedWeightSender here, the worker's receiver there
     (called with the keywords QurlServerAdapter adds). With ``ranks`` > 1 (a TP engine) every rank
-    gets the full tensors from a sender of its own, as each colocated trainer rank sends them."""
+    gets the full tensors from a sender of its own, as each colocated trainer rank sends them.
+    ``named_tensors``: (name, tensor) pairs, or a callable that returns a fresh iterator of them for
+    each rank (a stream made on the fly, never held whole)."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    tensors = list(named_tensors)
+    if callable(named_tensors):
+        stream_for_rank = named_tensors
+    else:
+        tensors = list(named_tensors)
+        stream_for_rank = lambda: iter(tensors)  # noqa: E731
     errors = []
 
     def send(rank):
         handle = f"ipc:///tmp/rl-colocate-zmq-{JOB_ID}-replica-0-rank-{rank}.sock"  # the worker's _get_zmq_handle
         sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=bucket_mb, use_shm=True)
         try:
-            asyncio.run(sender.async_send_weights(iter(tensors)))
+            asyncio.run(sender.async_send_weights(stream_for_rank()))
         except BaseException as e:  # noqa: BLE001 - surfaced below
             errors.append(e)
 
