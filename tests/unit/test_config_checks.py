@@ -195,3 +195,21 @@ def test_cpu_platform_refuses_a_tensor_larger_than_the_weight_sync_bucket(tmp_pa
     qc.check_config(compose_ppo_config([*CPU_OK, f"actor_rollout_ref.model.path={tmp_path}", f"{key}=2079"]))
     qc.check_config(compose_ppo_config([*CPU_OK, f"actor_rollout_ref.model.path={tmp_path}",
                                         "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"]))
+
+
+def test_cpu_platform_refuses_more_rollout_ranks_than_cpus_before_ray_starts(tiny_model, monkeypatch):
+    """The row of the driver's table: TP 4 with two CPUs is refused with the variable that would bind it;
+    the same TP on an outside Ray cluster (other machines) or with a user's binding passes."""
+    from qurl_verl.platform.host import Host
+
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    host = Host.probe()
+    two_cpus = Host(**{**host.__dict__, "usable_cpus": 2, "outside_ray_cluster": False})
+    tp4 = [*CPU_OK, f"actor_rollout_ref.model.path={tiny_model}", "trainer.n_gpus_per_node=4",
+           "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]
+    with pytest.raises(QurlConfigError, match="tensor_model_parallel_size=4.*VLLM_CPU_OMP_THREADS_BIND"):
+        qc.check_config(compose_ppo_config(tp4), host=two_cpus)
+    qc.check_config(compose_ppo_config(tp4), host=Host(**{**two_cpus.__dict__, "outside_ray_cluster": True}))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|0|1|1")
+    qc.check_config(compose_ppo_config(tp4), host=two_cpus)
