@@ -25,7 +25,13 @@ from qurl_verl.driver.cpu_platform_checks import (
     runs_on_this_machine,
 )
 from qurl_verl.driver.model_path import MODEL_PATH_FIX, check_model_path
-from qurl_verl.driver.trainer_checks import FLASH_ATTN_FIX, check_actor_strategy, check_gpu_attention, trains_fsdp_on_gpu
+from qurl_verl.driver.trainer_checks import (
+    FLASH_ATTN_FIX,
+    check_actor_strategy,
+    check_gpu_attention,
+    check_lora_merged,
+    trains_fsdp_on_gpu,
+)
 from qurl_verl.driver.uaq_checks import SHARED_STORAGE_FIX, check_resumed_uaq, check_uaq_storage
 from qurl_verl.model_info import ModelInfo
 from qurl_verl.platform.host import Host
@@ -38,6 +44,7 @@ from qurl_verl.rollout.engine_checks import (
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
     BUCKET_MB_KEY,
+    LORA_MERGE_KEY,
     LOSS_MODE_KEY,
     MODEL_PATH_KEY,
     PRESET_KEY,
@@ -226,6 +233,8 @@ CHECKS = (
     # qurl_vllm: the weights it receives, the model it quantizes, the engine that runs it
     Check("an FSDP actor feeds the weight stream", _qurl_vllm,
           lambda r: check_actor_strategy(select(r.cfg, ACTOR_STRATEGY_KEY)), f"set {ACTOR_STRATEGY_KEY}=fsdp2"),
+    Check("LoRA adapters reach the 8-bit rollout merged", _qurl_vllm,
+          lambda r: check_lora_merged(r.cfg), f"Set {LORA_MERGE_KEY}=true"),
     Check("the architecture is one the weight stream maps", lambda r: _qurl_vllm(r) and r.model.architectures is not None,
           lambda r: check_architecture(r.model.architectures, model=str(select(r.cfg, MODEL_PATH_KEY))),
           f"Use {ROLLOUT_NAME_KEY}=vllm"),

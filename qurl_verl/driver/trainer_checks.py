@@ -1,5 +1,5 @@
-"""The trainer side of a qurl run on GPUs: the attention the FSDP actor and the critic load with, and the
-actor strategy that can feed the ``qurl_vllm`` weight stream."""
+"""The trainer side of a qurl run: the attention the FSDP actor and the critic load with on GPUs, the
+actor strategy that can feed the ``qurl_vllm`` weight stream, and how LoRA adapters reach it."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,6 +8,8 @@ from qurl_verl.platform.host import Host
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
     ATTN_IMPLEMENTATION_KEY,
+    LORA_MERGE_KEY,
+    LORA_RANK_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
     QurlConfigError,
@@ -88,4 +90,22 @@ def check_actor_strategy(strategy: Any) -> None:
             "quantize bf16-rounded weights and the update-visibility metrics would measure that rounding; qurl_vllm "
             f"is also untested with Megatron. Train with FSDP: drop model_engine=megatron (or "
             f"--config-name=ppo_megatron_trainer) and set {ACTOR_STRATEGY_KEY}=fsdp2 (or fsdp)"
+        )
+
+
+def lora_rank(cfg: Any) -> int:
+    return int(select(cfg, LORA_RANK_KEY, 0) or 0)
+
+
+def check_lora_merged(cfg: Any) -> None:
+    """verl syncs LoRA adapters apart from the base unless ``lora.merge``; ``qurl_vllm`` re-quantizes full
+    weights at every sync and does not serve adapters over an 8-bit base, so the adapters must come merged."""
+    rank = lora_rank(cfg)
+    if rank > 0 and not select(cfg, LORA_MERGE_KEY, False):
+        raise QurlConfigError(
+            f"{LORA_RANK_KEY}={rank} with {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: verl would sync the LoRA adapters apart "
+            "from the base model, and qurl_vllm does not serve adapters over an 8-bit base (it re-quantizes full "
+            f"weights at every sync). Set {LORA_MERGE_KEY}=true: verl then merges the adapters into the weights it "
+            "syncs and qurl_vllm quantizes W + BA every step, as in full fine-tuning. Or keep the adapters with "
+            f"{ROLLOUT_NAME_KEY}=vllm (bf16 rollout)."
         )

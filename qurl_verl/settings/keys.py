@@ -24,6 +24,9 @@ ACTOR_STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
 ATTN_IMPLEMENTATION_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
 # the rollout engine's parallel sizes (verl's rollout.yaml); their product is one replica's ranks
 ROLLOUT_PARALLEL_KEYS = tuple(f"{ROLLOUT_KEY}.{k}_parallel_size" for k in ("tensor_model", "data", "pipeline_model"))
+# verl's FSDP LoRA: adapters of this rank (0 = off); merge=True syncs W + BA instead of the adapters
+LORA_RANK_KEY = "actor_rollout_ref.model.lora_rank"
+LORA_MERGE_KEY = "actor_rollout_ref.model.lora.merge"
 NNODES_KEY = "trainer.nnodes"
 GPUS_PER_NODE_KEY = "trainer.n_gpus_per_node"
 

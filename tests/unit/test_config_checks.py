@@ -213,3 +213,16 @@ def test_cpu_platform_refuses_more_rollout_ranks_than_cpus_before_ray_starts(tin
     qc.check_config(compose_ppo_config(tp4), host=Host(**{**two_cpus.__dict__, "outside_ray_cluster": True}))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|0|1|1")
     qc.check_config(compose_ppo_config(tp4), host=two_cpus)
+
+
+def test_lora_adapters_must_reach_qurl_vllm_merged(tiny_model, monkeypatch):
+    """verl syncs unmerged adapters apart from the base (the qurl_vllm worker would refuse them at the first
+    sync, minutes in): the driver refuses first and names lora.merge; merged, the config passes."""
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    qurl = [o.replace("rollout.name=vllm", "rollout.name=qurl_vllm") for o in CPU_OK]
+    lora = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8"]
+    with pytest.raises(QurlConfigError, match=r"lora_rank=8 .* Set actor_rollout_ref.model.lora.merge=true"):
+        qc.check_config(compose_ppo_config(lora))
+    qc.check_config(compose_ppo_config([*lora, "actor_rollout_ref.model.lora.merge=true"]))
+    stock = [*CPU_OK, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8"]
+    qc.check_config(compose_ppo_config(stock))  # verl's own rollout serves adapters: not ours to refuse
