@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Mapping
 
 from qurl_verl.patches.contract import Patch, wrap_once
 from qurl_verl.patches.on_import import patch_now_or_on_import
@@ -37,7 +38,7 @@ FORWARDED_PREFIXES = ("QURL_", "VLLM_CPU_")
 _MARK = "_qurl_forwards_env"
 
 
-def forwarded_env(environ: os._Environ | dict) -> dict[str, str]:
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The driver's variables a qurl-verl run needs in its Ray workers (absolute metrics path)."""
     env = {k: v for k, v in environ.items() if k in FORWARDED or k.startswith(FORWARDED_PREFIXES)}
     if env.get(FILE_LOGGER_ENV):
