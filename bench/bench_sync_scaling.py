@@ -87,10 +87,16 @@ def masters(shapes, seed: int = 0):
     return stream
 
 
+def bucket_mb(shapes) -> int:
+    """verl's shared-memory sender cannot send a tensor larger than its bucket (the driver refuses such a
+    run on the CPU platform): at least BUCKET_MB, and the largest fp32 tensor (3B's embedding: 1187 MiB)."""
+    return max(BUCKET_MB, -(-max(math.prod(s) for _, s in shapes) * 4 // 2**20))
+
+
 def fits(shapes, tp: int) -> tuple[bool, str]:
     params = sum(math.prod(s) for _, s in shapes)
     largest = max(math.prod(s) for _, s in shapes) * 4
-    need = params * ENGINE_BYTES_PER_PARAM + tp * (BUCKET_MB * 2**20 + largest * 3) + 4 * 2**30
+    need = params * ENGINE_BYTES_PER_PARAM + tp * (bucket_mb(shapes) * 2**20 + largest * 3) + 4 * 2**30
     have = psutil.virtual_memory().available
     return need < 0.8 * have, f"{params / 1e9:.2f}B parameters need ~{need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB free"
 
@@ -109,12 +115,13 @@ def run_one(model_dir: Path, shapes, tp: int, syncs: int) -> dict:
         os.environ[binding.BIND_ENV] = binding.thread_binding(cpus, tp)
     t0 = time.perf_counter()
     llm = harness.start_engine(model_dir, RolloutSettings(format="int8"), dtype="bfloat16", tensor_parallel_size=tp)
-    row = {"tp": tp, "engine_start_s": time.perf_counter() - t0, "syncs": []}
+    row = {"tp": tp, "binding": os.environ.get(binding.BIND_ENV, "auto (vLLM)"), "engine_start_s": time.perf_counter() - t0,
+           "syncs": []}
     try:
         for sync in range(syncs):
             stream = masters(shapes, seed=sync)
             start = time.perf_counter()
-            per_rank = harness.sync_weights(llm, stream, bucket_mb=BUCKET_MB, ranks=tp)
+            per_rank = harness.sync_weights(llm, stream, bucket_mb=bucket_mb(shapes), ranks=tp)
             wall = time.perf_counter() - start
             engine = combine_ranks(per_rank)
             row["syncs"].append({
@@ -136,9 +143,12 @@ def markdown(report: dict) -> str:
         "# One INT8 weight sync against model size, vLLM-CPU",
         "",
         f"CPU: {report['cpu']['model']} ({report['cpu']['class']}, {report['cpu']['cores']} cores), vLLM {report['vllm']}, "
-        f"engine bf16, buckets of {BUCKET_MB} MiB over shared memory, fp32 masters streamed by verl's sender "
+        f"engine bf16, buckets of {BUCKET_MB} MiB (or the largest tensor) over shared memory, fp32 masters streamed by verl's sender "
         "(one per TP rank). Second sync (steady state); seconds of the slowest rank, RSS summed over ranks. "
-        "total - (quantize + tracker + copy + load) is the time the worker waits for and unpacks verl's buckets.",
+        "total - (quantize + tracker + copy + load) is the time the worker waits for and unpacks verl's buckets. "
+        "Thread binding: TP 1 takes vLLM's automatic binding (one core per NUMA node, minus the cores it reserves "
+        "for the scheduler: on a 2-core machine the worker gets one core), TP 2 the rollout server's split "
+        "(``patches/cpu_platform/vllm_cpu_thread_binding``: one core per rank here), so TP 2 may compute on more cores.",
         "",
         "| model | params | TP | quantize s | tracker s | copy s | load s | total s | client wall s | bytes in / rank | worker RSS MiB (sum / largest) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -149,7 +159,8 @@ def markdown(report: dict) -> str:
             continue
         for row in m["runs"]:
             s = row["syncs"][-1]
-            lines.append(f"| {name} | {m['params_b']:.2f}B | {row['tp']} | {s['quantize_s']:.2f} | {s['load_s']:.2f} | "
+            lines.append(f"| {name} | {m['params_b']:.2f}B | {row['tp']} | {s['quantize_s']:.2f} | {s['code_change_s']:.2f} | "
+                         f"{s['copy_s']:.2f} | {s['load_s']:.2f} | "
                          f"{s['total_s']:.2f} | {s['client_wall_s']:.2f} | {s['bytes_in'] / 2**30:.2f} GiB | "
                          f"{s['rss_mb']:.0f} / {s['rss_mb_largest_rank']:.0f} |")
     lines += ["", "GPU: not run here; `bench/gpu/gpu_evidence.py` measures the quantize part of one sync on the device."]

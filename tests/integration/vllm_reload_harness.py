@@ -42,6 +42,7 @@ def engine_env() -> dict[str, str]:
 
 WEIGHT_GAIN = 4.0  # tiny-model init std 0.02 -> 0.08: logits spread over several nats
 BUCKET_MB = 1  # the tiny model streams as several buckets, so some layers span two
+SYNC_TIMEOUT_S = 900  # a sync whose sender failed (a tensor larger than the bucket) ends here, not never
 
 
 def require_vllm():
@@ -139,7 +140,7 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
         kwargs = {"use_shm": True, "code_change_row_stride": code_change_row_stride}
         if weight_bits != 8:
             kwargs["weight_bits"] = weight_bits
-        results = llm.collective_rpc("update_weights_from_ipc", kwargs=kwargs)
+        results = llm.collective_rpc("update_weights_from_ipc", timeout=SYNC_TIMEOUT_S, kwargs=kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised once the senders are accounted for
         rpc_error = e
     for thread in threads:
