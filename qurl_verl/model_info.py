@@ -223,6 +223,11 @@ class ModelInfo:
         return None if self.config is None else moe_experts(self.config)
 
     @property
+    def uses_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): the cache holds a compressed latent, not K and V."""
+        return self.text.get("kv_lora_rank") is not None
+
+    @property
     def num_hidden_layers(self) -> int:
         return int(self.text.get("num_hidden_layers") or 0)
 

@@ -29,6 +29,7 @@ from qurl_verl.driver.trainer_checks import (
     FLASH_ATTN_FIX,
     check_actor_strategy,
     check_gpu_attention,
+    check_kv_cache_setting,
     check_lora_merged,
     trains_fsdp_on_gpu,
 )
@@ -39,6 +40,7 @@ from qurl_verl.rollout.engine_checks import (
     check_architecture,
     check_cpu_rollout_format,
     check_fp8_hardware,
+    check_fp8_kv_cache,
     check_quantized_experts,
 )
 from qurl_verl.settings import (
@@ -249,6 +251,12 @@ CHECKS = (
     Check("this CPU has a kernel for the format", lambda r: _qurl_vllm(r) and r.on_cpu,
           lambda r: check_cpu_rollout_format(r.rollout, amx=r.host.amx, amx_fp8=r.host.amx_fp8),
           f"Use {QUANTIZATION_KEY}=fp8"),
+    Check("the KV-cache format has one home, and FP8 KV scales a way to the engine", _qurl_vllm,
+          lambda r: check_kv_cache_setting(r.cfg, r.rollout), f"set {ROLLOUT_CUSTOM_KEY}.kv_cache=fp8"),
+    Check("the engine has an FP8 KV cache for this model and CPU", _qurl_vllm,  # the servers check again
+          lambda r: check_fp8_kv_cache(r.rollout, on_cpu=r.on_cpu, avx512=r.host.avx512, amx=r.host.amx,
+                                       head_dim=r.model.head_dim, uses_mla=r.model.uses_mla),
+          f"remove {ROLLOUT_CUSTOM_KEY}.kv_cache"),
     Check("QURL_VERL_CPU_INT8_GEMM names a GEMM", lambda r: _qurl_vllm(r) and r.on_cpu,
           lambda r: check_cpu_int8_gemm_choice(), "expected 'auto'"),
     # UAQ

@@ -1,5 +1,6 @@
 """The trainer side of a qurl run: the attention the FSDP actor and the critic load with on GPUs, the
-actor strategy that can feed the ``qurl_vllm`` weight stream, and how LoRA adapters reach it."""
+actor strategy that can feed the ``qurl_vllm`` weight stream, how LoRA adapters reach it, and where
+the FP8 KV cache's scales come from."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,12 +9,18 @@ from qurl_verl.platform.host import Host
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
     ATTN_IMPLEMENTATION_KEY,
+    CHECKPOINT_ENGINE_KEY,
+    ENGINE_KV_CACHE_DTYPE_KEY,
     LORA_MERGE_KEY,
     LORA_RANK_KEY,
+    ROLLOUT_CUSTOM_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
+    KVCacheFormat,
     QurlConfigError,
+    RolloutSettings,
     select,
+    show,
 )
 
 # HFModelConfig builds the actor's HF config with override_config.get("attn_implementation",
@@ -108,4 +115,43 @@ def check_lora_merged(cfg: Any) -> None:
             f"weights at every sync). Set {LORA_MERGE_KEY}=true: verl then merges the adapters into the weights it "
             "syncs and qurl_vllm quantizes W + BA every step, as in full fine-tuning. Or keep the adapters with "
             f"{ROLLOUT_NAME_KEY}=vllm (bf16 rollout)."
+        )
+
+
+# the sync where the actor process itself streams to its colocated engine (ServerAdapter.update_weights);
+# other backends stream from a separate checkpoint-engine process, which never sees the actor's forwards
+COLOCATED_SYNC_BACKENDS = (None, "naive")
+
+
+def check_kv_cache_setting(cfg: Any, rollout: RolloutSettings) -> None:
+    """One home for the KV-cache format of a ``qurl_vllm`` rollout: ``custom.qurl.kv_cache``.
+
+    vLLM's own ``kv_cache_dtype`` (through ``engine_kwargs``) would give the engine an FP8 cache whose
+    scales nothing computes: they keep what the dummy start-up load left (on vLLM-CPU random, negative
+    ones, refused at the first generation). With ``kv_cache=fp8`` the scales come from the actor's
+    training forwards, which only the colocated sync carries."""
+    engine_dtype = select(cfg, ENGINE_KV_CACHE_DTYPE_KEY)
+    if engine_dtype not in (None, "auto"):
+        raise QurlConfigError(
+            f"{ENGINE_KV_CACHE_DTYPE_KEY}={show(engine_dtype)} with {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: the KV-cache format "
+            f"of this rollout is set by {ROLLOUT_CUSTOM_KEY}.kv_cache, which also sends the K/V scales at every sync. "
+            f"Remove the engine_kwargs entry and set {ROLLOUT_CUSTOM_KEY}.kv_cache=fp8"
+        )
+    if rollout.kv_cache is not KVCacheFormat.FP8:
+        return
+    backend = select(cfg, CHECKPOINT_ENGINE_KEY)
+    if backend not in COLOCATED_SYNC_BACKENDS:
+        raise QurlConfigError(
+            f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 with {CHECKPOINT_ENGINE_KEY}={show(backend)}: the K/V scales are computed "
+            "in the actor's process from its training forwards and travel with the colocated weight sync, which "
+            f"this backend bypasses. Set {CHECKPOINT_ENGINE_KEY}=naive (colocated rollout), or remove "
+            f"{ROLLOUT_CUSTOM_KEY}.kv_cache"
+        )
+    from qurl_verl.patches.qurl_vllm import attention_kv_hook
+
+    if not attention_kv_hook.interface_available():
+        raise QurlConfigError(
+            f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 observes K and V in transformers' attention dispatch "
+            "(AttentionInterface.get_interface, transformers 5), which the installed transformers lacks; "
+            f"install transformers>=5.9 or remove {ROLLOUT_CUSTOM_KEY}.kv_cache"
         )

@@ -21,6 +21,7 @@ class Host:
     cuda_capability: tuple[int, int] | None = None  # of the first visible GPU; None without CUDA
     amx: bool = False  # AMX tiles (Sapphire Rapids or newer), what vLLM-CPU's sgl and MoE kernels need
     amx_fp8: bool = False  # AMX-FP8: vLLM-CPU runs block FP8 W8A8 only there
+    avx512: bool = False  # torch's AVX-512 test, which vLLM-CPU's attention asks before an FP8 KV cache
     flash_attn: bool = False  # the flash-attn package is installed
     vllm_version: str | None = None  # the installed vLLM's version (distribution metadata), None without
     vllm_importable: bool = False  # a ``vllm`` module can be imported
@@ -39,6 +40,7 @@ class Host:
             cuda_capability=tuple(torch.cuda.get_device_capability(0)) if cuda else None,
             amx=bool(torch.cpu._is_amx_tile_supported()),
             amx_fp8="amx_fp8" in cpu_flags(),
+            avx512=bool(torch.cpu._is_avx512_supported()),
             flash_attn=importlib.util.find_spec("flash_attn") is not None,
             vllm_version=installed_vllm_version(),
             vllm_importable=importlib.util.find_spec("vllm") is not None,

@@ -11,15 +11,22 @@ quantizes them (see ``weight_stream``). This subclass only
   ``sync_stats.combine_ranks``), ``qurl/sync/checksum/replica_<r>`` (equal across replicas that loaded the
   same bits) and ``qurl/update/changed_code_frac`` and
   ``qurl/update/update_to_error_ratio`` (from the second sync on);
+* with ``custom.qurl.kv_cache=fp8``, appends the FP8 KV cache's per-layer q/k/v scales to the stream
+  (``qurl_verl.quant.kv_cache``), from the ranges the actor's training forwards saw since the last sync
+  (``patches.qurl_vllm.actor_kv_ranges``, same on every rank); a sync with no forward since resends the
+  last scales, and the first sync of a run sends none (the engine keeps vLLM's 1.0);
 * refuses the delta wire format, which only patches changed bf16 values in place.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 
 from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
-from qurl_verl.patches.qurl_vllm import loss_metrics_channel
+from qurl_verl.patches import qurl_vllm as qurl_vllm_patches
+from qurl_verl.patches.qurl_vllm import actor_kv_ranges, loss_metrics_channel
+from qurl_verl.quant.kv_cache import kv_scales
 from qurl_verl.rollout.sync_stats import combine_ranks
 from qurl_verl.settings import RolloutSettings
 
@@ -31,10 +38,11 @@ UPDATE_KEYS = ("changed_code_frac", "update_to_error_ratio")
 class QurlServerAdapter(ServerAdapter):
     last_sync_stats: dict | None = None
     _sync_future = None
+    _kv_scales: dict | None = None  # the FP8 KV cache's scales last sent, {stream name: tensor}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        loss_metrics_channel.apply()
+        qurl_vllm_patches.apply_all(kv_cache_scales=RolloutSettings.from_rollout_config(self.config).kv_cache.quantized)
 
     async def _execute_method(self, method, non_block=False, timeout=None, args=(), kwargs=None):
         result = await super()._execute_method(method, non_block=non_block, timeout=timeout, args=args, kwargs=kwargs)
@@ -50,6 +58,8 @@ class QurlServerAdapter(ServerAdapter):
             )
         self._sync_future = None
         settings = RolloutSettings.from_rollout_config(self.config)
+        if settings.kv_cache.quantized:
+            weights = itertools.chain(weights, self.next_kv_scales().items())
         await super().update_weights(
             weights, global_steps=global_steps, wire_format=wire_format,
             code_change_row_stride=settings.code_change_row_stride, code_change_max_bytes=settings.code_change_max_bytes,
@@ -63,6 +73,13 @@ class QurlServerAdapter(ServerAdapter):
             update = self.update_metrics()
             if update:
                 loss_metrics_channel.publish(update, replace_prefix="qurl/update/")
+
+    def next_kv_scales(self) -> dict:
+        """The scales this sync sends: from the ranges observed since the last sync, else the last ones."""
+        observed = actor_kv_ranges.observer.take()
+        if observed:
+            self._kv_scales = kv_scales(observed)
+        return self._kv_scales or {}
 
     def sync_metrics(self) -> dict[str, float]:
         """The last sync's worker-side costs, ``qurl/sync/<field>`` (empty before the first sync)."""

@@ -10,12 +10,15 @@ what it leaves out:
   missed a layer, or a model left on meta or with bad scales, fails the sync (``WeightReloadError``);
 * ``quiet_config_only_layers``, ``quiet_skipped_lm_head``: finalize's "Failed to load weights"
   warnings for what no stream carries on purpose;
-* ``unquantized_kv_cache_layers``, ``reset_kv_cache_scales``: the KV-cache scales no stream carries,
-  back to vLLM's defaults after every reload.
+* ``unquantized_kv_cache_layers``, ``reset_kv_cache_scales``: the scales of a bf16 KV cache, which no
+  stream carries, back to vLLM's defaults after every reload;
+* ``fp8_kv_cache_layers``, ``load_kv_cache_scales``: the scales of an FP8 KV cache, from the stream
+  (``qurl_verl.quant.kv_cache``: per layer q, k, v), or vLLM's defaults when it carries none.
 """
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import contextmanager
 
 import torch
@@ -158,27 +161,69 @@ def _without_load_warnings(layer_classes: set[str]):
         log.removeFilter(keep)
 
 
-_warned_kv_cache_scales = False
+def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """vLLM's attention layers: the modules that hold KV-cache scales."""
+    return [m for m in model.modules() if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")]
 
 
 def unquantized_kv_cache_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The attention layers (those holding KV-cache scales) whose KV cache is not quantized.
-
-    A quantized (fp8) KV cache needs calibrated scales, which no stream carries: its layers keep
-    what vLLM set at start-up (from dummy weights: random), which a level-2 sleep then wipes.
-    Warned once per worker; qurl_vllm rolls out with the unquantized cache."""
-    global _warned_kv_cache_scales
+    """The attention layers whose KV cache is in the engine's dtype."""
     from vllm.utils.torch_utils import is_quantized_kv_cache
 
-    layers = [m for m in model.modules() if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")]
-    quantized = sorted({m.kv_cache_dtype for m in layers if is_quantized_kv_cache(m.kv_cache_dtype)})
-    if quantized and not _warned_kv_cache_scales:
-        _warned_kv_cache_scales = True
-        logger.warning(
-            "qurl_vllm: the KV cache is %s, but weight syncs carry no KV-cache scales: they keep the "
-            "values of the engine's dummy start-up weights. Use kv_cache_dtype=auto.", ", ".join(quantized),
+    return [m for m in attention_layers(model) if not is_quantized_kv_cache(m.kv_cache_dtype)]
+
+
+def fp8_kv_cache_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """{decoder layer: attention layer} of the attention layers with an FP8 KV cache, by the layer index
+    vLLM itself reads from their names; a decoder layer with two such layers cannot take one K and one V
+    scale per layer from the stream and is refused."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    layers: dict[int, torch.nn.Module] = {}
+    for layer in attention_layers(model):
+        if not is_quantized_kv_cache(layer.kv_cache_dtype):
+            continue
+        index = extract_layer_index(layer.layer_name)
+        if index in layers:
+            raise WeightReloadError(f"decoder layer {index} has more than one attention layer with an FP8 KV cache "
+                                    f"({layers[index].layer_name}, {layer.layer_name}); qurl_vllm sends one scale each")
+        layers[index] = layer
+    return layers
+
+
+def load_kv_cache_scales(layers: dict[int, torch.nn.Module], scales: dict[tuple[int, str], float]) -> dict[str, float]:
+    """After a reload: the streamed ``{(layer, part): scale}`` into the FP8 attention layers; returns
+    their range (``kv_scale_{k,v}_{min,max}``, empty without FP8 layers).
+
+    No scale in the stream (the first sync, before the actor has run a forward): vLLM's defaults, 1.0,
+    what an FP8 cache without calibration uses. Some but not all: ``WeightReloadError``, never a stale
+    scale. A scale for a layer without an FP8 cache, or not finite and > 0: ``WeightReloadError``."""
+    from qurl_verl.quant.kv_cache import KV_PARTS
+    from qurl_verl.rollout import vllm_versions
+
+    if not layers:
+        if scales:
+            raise WeightReloadError("the stream carries KV-cache scales, but this engine's KV cache is not FP8")
+        return {}
+    if not scales:
+        scales = {(index, part): 1.0 for index in layers for part in KV_PARTS}
+    unknown = sorted({index for index, _ in scales} - set(layers))
+    missing = sorted(f"{index}.{part}" for index in layers for part in KV_PARTS if (index, part) not in scales)
+    bad = sorted(f"{index}.{part}={value}" for (index, part), value in scales.items()
+                 if not (math.isfinite(value) and value > 0))
+    if unknown or missing or bad:
+        raise WeightReloadError(
+            f"KV-cache scales: missing for layer.part {missing[:6]}, for layers without an FP8 cache {unknown[:6]}, "
+            f"not finite and > 0 {bad[:6]}"
         )
-    return [m for m in layers if not is_quantized_kv_cache(m.kv_cache_dtype)]
+    with torch.no_grad():
+        for index, layer in layers.items():
+            vllm_versions.set_attention_scales(layer, *(scales[(index, part)] for part in KV_PARTS))
+    return {
+        f"kv_scale_{part}_{name}": fn(scales[(index, part)] for index in layers)
+        for part in ("k", "v") for name, fn in (("min", min), ("max", max))
+    }
 
 
 def reset_kv_cache_scales(attention_layers: list[torch.nn.Module]) -> None:

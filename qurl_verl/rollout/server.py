@@ -10,6 +10,8 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
   and INT8 on Blackwell gets vLLM's Triton kernel (``cuda_int8_kernel.int8_kernel_env``) through the
   environment the engine's processes inherit. Quantized MoE experts are checked against this
   server's own vLLM and platform (``engine_checks.check_quantized_experts``), as in the driver.
+* ``_preprocess_engine_kwargs``: vLLM's ``kv_cache_dtype`` from ``custom.qurl.kv_cache`` (the driver
+  refuses a ``kv_cache_dtype`` in ``engine_kwargs``), checked against this server's CPU and model.
 * ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
   layerwise-reload lifecycle at every sync.
 * ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
@@ -29,10 +31,15 @@ import ray
 import torch
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from qurl_verl.model_info import moe_experts
+from qurl_verl.model_info import ModelInfo, moe_experts
 from qurl_verl.platform.host import Host
 from qurl_verl.rollout.cuda_int8_kernel import int8_kernel_env
-from qurl_verl.rollout.engine_checks import check_architecture, check_fp8_hardware, check_quantized_experts
+from qurl_verl.rollout.engine_checks import (
+    check_architecture,
+    check_fp8_hardware,
+    check_fp8_kv_cache,
+    check_quantized_experts,
+)
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings
 
@@ -63,6 +70,18 @@ class QurlvLLMHttpServer(vLLMHttpServer):
         check_fp8_hardware(settings, host.cuda_capability)
         set_int8_kernel_env(settings, host.cuda_capability)
         return settings.engine_quantization()
+
+    def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:
+        super()._preprocess_engine_kwargs(engine_kwargs)
+        settings = RolloutSettings.from_rollout_config(self.config)
+        if settings.kv_cache.quantized:
+            from vllm.platforms import current_platform
+
+            host = Host.probe()
+            model = ModelInfo.of_config(self.model_config.hf_config.to_dict(), self.model_config.path)
+            check_fp8_kv_cache(settings, on_cpu=current_platform.is_cpu(), avx512=host.avx512, amx=host.amx,
+                               head_dim=model.head_dim, uses_mla=model.uses_mla)
+        engine_kwargs["kv_cache_dtype"] = settings.kv_cache.engine_dtype
 
     def _get_worker_extension_cls(self) -> str:
         return f"{QurlWorkerExtension.__module__}.{QurlWorkerExtension.__qualname__}"

@@ -22,7 +22,8 @@ logger = logging.getLogger("qurl_verl")
 SUMMED_OVER_RANKS = ("rss_mb", "tracker_resident_bytes")
 # the same on every rank of an engine when its stream is whole: each rank sees every tensor
 SAME_ON_EVERY_RANK = ("sync", "format", "weight_bits", "buckets", "tensors_in", "quantized", "skipped", "bytes_in",
-                      "quantized_frac", "changed_code_frac", "update_to_error_ratio", "tracker_row_stride", "checksum")
+                      "quantized_frac", "changed_code_frac", "update_to_error_ratio", "tracker_row_stride", "checksum",
+                      "kv_scale_layers_streamed", "kv_scale_k_min", "kv_scale_k_max", "kv_scale_v_min", "kv_scale_v_max")
 
 
 @dataclass
@@ -48,6 +49,13 @@ class SyncStats:
     # (the requested one, or larger where the byte cap needed it; 0 = tracking off)
     tracker_resident_bytes: int = 0
     tracker_row_stride: int = 0
+    # An FP8 KV cache's scales after the sync: how many layers took theirs from the stream (0: vLLM's
+    # default 1.0 everywhere, the first sync), and the range of the K and V scales (None: no FP8 cache)
+    kv_scale_layers_streamed: int = 0
+    kv_scale_k_min: float | None = None
+    kv_scale_k_max: float | None = None
+    kv_scale_v_min: float | None = None
+    kv_scale_v_max: float | None = None
 
     def as_dict(self) -> dict:
         """What ``qurl_last_sync`` returns to the trainer: one flat dict, ``stream`` spread in place."""

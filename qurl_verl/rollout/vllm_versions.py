@@ -26,8 +26,10 @@ lookup here; where each lives:
   ``quant.compressed_tensors_format.is_ignored`` applies the rule both share and refuses the rest.
 * the tied lm_head: 0.24's Qwen2 uses the embedding module itself, 0.32's a ``ParallelLMHead``
   sharing its Parameter. ``qurl_verl.tied_lm_head.tied_output_embedding`` asks the engine's modules.
-* attention's ``_q/_k/_v_scale``: parameters in 0.24 (no stream carries them, level-2 sleep wipes
-  them), buffers in 0.32; the worker resets them after every reload.
+* attention's ``_q/_k/_v_scale``: parameters in 0.24 (level-2 sleep wipes them), buffers in 0.32;
+  the worker sets them after every reload, in place, which serves both. 0.32 also keeps host copies
+  of the K and V scales (``_k_scale_cpu``, ``_v_scale_cpu``, for FlashInfer and AITER), 0.24 none:
+  ``set_attention_scales`` writes them where they exist.
 * vLLM-CPU's sgl kernels: opt-in (``VLLM_CPU_SGL_KERNEL``) in 0.24, chosen on AMX in 0.32; the
   patches in ``qurl_verl.patches`` do not depend on that choice.
 """
@@ -89,3 +91,19 @@ def tensor_load_numel(tensor: torch.Tensor) -> int:
 
     count = getattr(utils, "get_tensor_load_numel", None)  # 0.32 and later
     return count(tensor) if count is not None else tensor.numel()
+
+
+@torch.no_grad()
+def set_attention_scales(layer: torch.nn.Module, q: float, k: float, v: float) -> None:
+    """An attention layer's query, key and value scales, in every copy vLLM keeps: the tensors kernels
+    read on the device (written in place, so captured graphs see them), the host floats the CPU and
+    other kernels read, and 0.32's host tensors. Everything else back to vLLM's defaults first."""
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+    set_default_quant_scales(layer, register_buffer=False)
+    for part, value in (("q", q), ("k", k), ("v", v)):
+        getattr(layer, f"_{part}_scale").fill_(value)
+        setattr(layer, f"_{part}_scale_float", float(value))
+        host_copy = getattr(layer, f"_{part}_scale_cpu", None)  # 0.32: k and v only
+        if host_copy is not None:
+            host_copy.fill_(value)

@@ -8,8 +8,8 @@ One weight sync (``update_weights_from_ipc``) is one pass of vLLM's layerwise-re
     load_bucket      per bucket: quantize (``weight_stream``), then model.load_weights; each layer
                      is post-processed (int8 prepack, transposes) as soon as all its tensors arrived
     check_streamed   every layer fully streamed (vocabulary padding rows excepted)
-    finalize_reload  finalize_layerwise_reload, the per-reload CPU fixes, KV-cache scales back to
-                     vLLM's defaults, verl's buffer updates
+    finalize_reload  finalize_layerwise_reload, the per-reload CPU fixes, the KV-cache scales (an FP8
+                     cache's from the stream, a bf16 cache's back to vLLM's defaults), verl's buffer updates
     check_reloaded   nothing left on meta, weight scales finite and > 0
     summarize        the sync's ``SyncStats``
 
@@ -40,6 +40,7 @@ from verl.workers.rollout.vllm_rollout.weight_update_utils import apply_buffer_u
 
 from qurl_verl.patches.vllm_cpu_worker import after_reload, before_model_load, vllm_cpu_tied_lm_head_refresh
 from qurl_verl.quant import UpdateVisibilityTracker
+from qurl_verl.quant.kv_cache import parse_kv_scale_name
 from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
 from qurl_verl.rollout import int8_gemm_report, layerwise_reload
 from qurl_verl.rollout.layerwise_reload import WeightReloadError
@@ -223,6 +224,8 @@ class WeightSync:
         self.device = device
         self.tracker = tracker
         self.attention_layers = layerwise_reload.unquantized_kv_cache_layers(self.model)
+        self.fp8_kv_layers = layerwise_reload.fp8_kv_cache_layers(self.model)
+        self.kv_scales: dict[tuple[int, str], float] = {}  # (layer, part) -> scale, as streamed
         skip = TIED_LM_HEAD_NAMES if tied_output_embedding(self.model) is not None else frozenset()
         self.tied_lm_head = vllm_cpu_tied_lm_head_refresh.tied_lm_head(self.model)
         self.stream = WeightStreamQuantizer(settings, tracker=tracker, skip=skip)
@@ -241,8 +244,16 @@ class WeightSync:
         self.stream.param_dtypes = param_dtypes(self.model)
 
     def load_bucket(self, named_tensors) -> None:
-        """One received bucket: quantized or copied by the stream, then loaded (buffers kept for the end)."""
-        tensors = self.stream.transform(named_tensors)
+        """One received bucket: quantized or copied by the stream, then loaded (buffers and KV-cache scales
+        kept for the end)."""
+        weights = []
+        for name, tensor in named_tensors:
+            kv = parse_kv_scale_name(name)
+            if kv is None:
+                weights.append((name, tensor))
+            else:
+                self.kv_scales[kv] = float(tensor)
+        tensors = self.stream.transform(weights)
         self.buffer_updates.extend((n, t) for n, t in tensors if n in self.buffer_names)
         params = [(n, t) for n, t in tensors if n not in self.buffer_names]
         start = time.perf_counter()
@@ -269,6 +280,10 @@ class WeightSync:
         refresh(self.model)
         with torch.device(self.device), torch.no_grad():  # 0.24's scale parameters require grad
             layerwise_reload.reset_kv_cache_scales(self.attention_layers)
+            kv_range = layerwise_reload.load_kv_cache_scales(self.fp8_kv_layers, self.kv_scales)
+        for key, value in kv_range.items():
+            setattr(self.stats, key, value)
+        self.stats.kv_scale_layers_streamed = len({layer for layer, _ in self.kv_scales})
         apply_buffer_updates(self.model, self.buffer_updates)
         self.stats.finalize_s = time.perf_counter() - start
 

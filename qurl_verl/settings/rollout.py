@@ -55,13 +55,30 @@ class ExpertsPrecision(str, enum.Enum):
     QUANTIZED = "quantized"  # in the rollout format, where the installed vLLM runs them W8A8 (check_quantized_experts)
 
 
+class KVCacheFormat(str, enum.Enum):
+    """``custom.qurl.kv_cache``: what the ``qurl_vllm`` engine stores its KV cache in."""
+
+    AUTO = "auto"  # the engine's dtype (bf16), vLLM's kv_cache_dtype=auto
+    FP8 = "fp8"  # FP8 E4M3, one K and one V scale per layer, computed by the trainer and sent with every sync
+
+    @property
+    def engine_dtype(self) -> str:
+        """vLLM's ``kv_cache_dtype`` (E4M3 named explicitly: the format ``qurl_verl.quant.kv_cache`` computes scales for)."""
+        return {KVCacheFormat.AUTO: "auto", KVCacheFormat.FP8: "fp8_e4m3"}[self]
+
+    @property
+    def quantized(self) -> bool:
+        return self is not KVCacheFormat.AUTO
+
+
 DEFAULT_ROLLOUT_FORMAT = RolloutFormat.INT8
 DEFAULT_EXPERTS = ExpertsPrecision.BF16
+DEFAULT_KV_CACHE = KVCacheFormat.AUTO
 DEFAULT_CODE_CHANGE_ROW_STRIDE = 8
 DEFAULT_WEIGHT_BITS = MAX_INT_BITS
 # host memory of the tracker per vLLM worker (the pure layer's cap); the stride rises to fit
 DEFAULT_CODE_CHANGE_MAX_MB = DEFAULT_TRACKER_MAX_BYTES // 2**20
-ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride", "code_change_max_mb", "weight_bits", "experts")
+ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride", "code_change_max_mb", "weight_bits", "experts", "kv_cache")
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,9 @@ class RolloutSettings:
         precision, attention and dense layers in 8 bits; ``quantized``: experts in the rollout
         format too, where the installed vLLM runs them W8A8 (``check_quantized_experts``). The
         routers (``ROUTER_MODULES``) always stay in full precision.
+    kv_cache: ``custom.qurl.kv_cache``, ``auto`` (default): the KV cache in the engine's dtype;
+        ``fp8``: FP8 E4M3 with per-layer K and V scales that the actor computes from its training
+        forwards and sends with every weight sync (vLLM's default 1.0 at the first sync, before any).
     """
 
     format: RolloutFormat = DEFAULT_ROLLOUT_FORMAT
@@ -92,8 +112,17 @@ class RolloutSettings:
     code_change_max_mb: float = DEFAULT_CODE_CHANGE_MAX_MB
     weight_bits: int = DEFAULT_WEIGHT_BITS
     experts: ExpertsPrecision = DEFAULT_EXPERTS
+    kv_cache: KVCacheFormat = DEFAULT_KV_CACHE
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_cache, KVCacheFormat):
+            try:
+                object.__setattr__(self, "kv_cache", KVCacheFormat(str(self.kv_cache).lower()))
+            except ValueError:
+                raise QurlConfigError(
+                    f"{ROLLOUT_CUSTOM_KEY}.kv_cache={show(self.kv_cache)}: must be one of "
+                    f"{', '.join(k.value for k in KVCacheFormat)} (default {DEFAULT_KV_CACHE.value})"
+                ) from None
         if not isinstance(self.experts, ExpertsPrecision):
             try:
                 object.__setattr__(self, "experts", ExpertsPrecision(str(self.experts).lower()))
@@ -203,6 +232,7 @@ class RolloutSettings:
             code_change_max_mb=custom.get("code_change_max_mb", DEFAULT_CODE_CHANGE_MAX_MB),
             weight_bits=custom.get("weight_bits", DEFAULT_WEIGHT_BITS),
             experts=custom.get("experts") or DEFAULT_EXPERTS,
+            kv_cache=custom.get("kv_cache") or DEFAULT_KV_CACHE,
         )
 
     @classmethod

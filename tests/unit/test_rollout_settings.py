@@ -193,3 +193,14 @@ def test_tracker_memory_cap_defaults_to_256_mib_and_must_be_positive():
     for bad in (0, -1, "big", True):
         with pytest.raises(QurlConfigError, match="code_change_max_mb=.*: must be a number > 0"):
             RolloutSettings.from_rollout_config(rollout_node("int8", {"code_change_max_mb": bad}))
+
+
+def test_kv_cache_setting_reads_from_the_rollout_config_and_names_vllms_dtype():
+    from qurl_verl.settings import KVCacheFormat
+
+    rollout = {"name": "qurl_vllm", "quantization": "int8", "custom": {"qurl": {"kv_cache": "FP8"}}}
+    settings = RolloutSettings.from_rollout_config(rollout)
+    assert settings.kv_cache is KVCacheFormat.FP8 and settings.kv_cache.engine_dtype == "fp8_e4m3"
+    assert RolloutSettings.from_rollout_config({"name": "qurl_vllm"}).kv_cache.engine_dtype == "auto"
+    with pytest.raises(QurlConfigError, match=r"custom.qurl.kv_cache=int4: must be one of auto, fp8"):
+        RolloutSettings.from_rollout_config({**rollout, "custom": {"qurl": {"kv_cache": "int4"}}})

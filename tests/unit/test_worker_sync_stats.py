@@ -15,6 +15,7 @@ PREVIOUS_KEYS = [
     "tensors_in", "quantized", "skipped", "bytes_in", "quantized_frac", "rss_mb", "code_change_s",
     "changed_code_frac", "update_to_error_ratio", "tracker_resident_bytes", "tracker_row_stride",
     "checksum",  # added with the replicas' agreement check
+    "kv_scale_layers_streamed", "kv_scale_k_min", "kv_scale_k_max", "kv_scale_v_min", "kv_scale_v_max",  # FP8 KV cache
 ]
 
 
@@ -27,7 +28,8 @@ def test_the_flat_report_keeps_the_previous_keys(sync_stats):
     flat = sync_stats(sync=1, format="int8").as_dict()
     assert sorted(flat) == sorted(PREVIOUS_KEYS)
     assert flat["quantized_frac"] is None  # nothing streamed yet, as before
-    unset = {"format", "quantized_frac", "changed_code_frac", "update_to_error_ratio"}  # a str, and the Nones
+    unset = {"format", "quantized_frac", "changed_code_frac", "update_to_error_ratio",  # a str, and the Nones
+             "kv_scale_k_min", "kv_scale_k_max", "kv_scale_v_min", "kv_scale_v_max"}
     assert sorted(sync_stats(sync=1, format="int8").as_metrics()) == sorted(
         f"qurl/sync/{k}" for k in PREVIOUS_KEYS if k not in unset
     )

@@ -1,0 +1,104 @@
+"""FP8 KV cache: per-layer query, key and value scales from the ranges a model's attention sees, and
+the quantize-dequantize an FP8 cache applies to what it stores.
+
+vLLM keeps one scalar scale per attention layer for K and one for V (``Attention._k_scale``,
+``_v_scale``) and stores ``x / scale`` as FP8 E4M3; kernels that quantize the query as well (vLLM's
+FlashAttention with an FP8 cache on GPUs) use ``_q_scale``. The CPU kernels read K and V scales only.
+
+E4M3 is a float format: the scale only places its range (±448 times the scale). Above it values
+saturate; below it the relative precision (3 mantissa bits) is the same at every magnitude until the
+subnormals start, 2^-6 of the way down from 1 (x scale). A generous scale therefore costs almost
+nothing, a tight one clips every token the calibration did not see. ``scale_from_amax`` places the
+observed maximum one binade below the top (``KV_SCALE_HEADROOM`` = 2): tokens of a rollout may reach
+twice the trainer's maximum before they clip, and only values below amax / 14336 lose precision to
+subnormals. NeMo-RL instead takes the 99.9th percentile times 1.05 (NVIDIA-NeMo/RL PR #1212), which
+clips the largest 0.1 %; an amax costs one reduction per tensor and no histogram.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+FP8_KV_DTYPE = torch.float8_e4m3fn  # vLLM's kv_cache_dtype=fp8_e4m3 (and "fp8" on CUDA and CPU)
+FP8_KV_MAX = float(torch.finfo(FP8_KV_DTYPE).max)  # 448
+KV_SCALE_HEADROOM = 2.0
+# the scale of a tensor that is all zeros (a layer whose V projection is zero): any positive value
+# represents it exactly; vLLM's kernels refuse a scale <= 0
+MIN_KV_SCALE = 1e-8
+KV_PARTS = ("q", "k", "v")
+
+# The names the scales travel under in a weight stream: those of compressed-tensors checkpoints
+# (``model.layers.<i>.self_attn.k_scale``), which vLLM's models map onto ``...self_attn.attn``.
+KV_SCALE_NAME = "model.layers.{layer}.self_attn.{part}_scale"
+_KV_SCALE_NAME_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_scale$")
+
+
+def kv_scale_name(layer: int, part: str) -> str:
+    if part not in KV_PARTS:
+        raise ValueError(f"part must be one of {KV_PARTS}, got {part!r}")
+    return KV_SCALE_NAME.format(layer=layer, part=part)
+
+
+def parse_kv_scale_name(name: str) -> tuple[int, str] | None:
+    """(layer, part) of a KV-scale stream name, None for any other name."""
+    match = _KV_SCALE_NAME_RE.match(name)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
+def scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
+    """The FP8 E4M3 scale (float32) that puts ``amax`` at 1/``KV_SCALE_HEADROOM`` of the format's range."""
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    return (amax * KV_SCALE_HEADROOM / FP8_KV_MAX).clamp_min(MIN_KV_SCALE)
+
+
+def quantize_dequantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """What an FP8 E4M3 cache with this scale gives back for ``x``: ``x / scale`` saturated to ±448,
+    rounded to E4M3 (nearest, ties to even), times ``scale``; in ``x``'s dtype."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    codes = (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    return (codes.float() * scale).to(x.dtype)
+
+
+class KVRangeObserver:
+    """The largest |q|, |k|, |v| each decoder layer's attention received since the last ``take``.
+
+    Fed the tensors exactly as the attention kernel receives them (K after RoPE and after ``k_norm``
+    where the model has one), once per forward; one reduction per tensor, kept on its device."""
+
+    def __init__(self) -> None:
+        self._amax: dict[int, torch.Tensor] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._amax)
+
+    @torch.no_grad()
+    def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        amax = torch.stack([t.detach().abs().amax().float() for t in (query, key, value)])
+        seen = self._amax.get(layer)
+        self._amax[layer] = amax if seen is None else torch.maximum(seen, amax)
+
+    def table(self) -> tuple[list[int], torch.Tensor]:
+        """(layers in order, amax as a [layers, 3] tensor of q, k, v), for an all-reduce across ranks."""
+        layers = sorted(self._amax)
+        if not layers:
+            return [], torch.zeros(0, len(KV_PARTS))
+        return layers, torch.stack([self._amax[i] for i in layers])
+
+    def set_table(self, layers: list[int], amax: torch.Tensor) -> None:
+        self._amax = {layer: amax[i] for i, layer in enumerate(layers)}
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """{layer: [q, k, v] amax} observed so far (on the CPU), and start afresh."""
+        amax = {layer: a.cpu() for layer, a in sorted(self._amax.items())}
+        self._amax = {}
+        return amax
+
+
+def kv_scales(amax: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stream entries for observed ranges: {``kv_scale_name(layer, part)``: float32 scalar}."""
+    return {
+        kv_scale_name(layer, part): scale_from_amax(a[j]).reshape(())
+        for layer, a in sorted(amax.items())
+        for j, part in enumerate(KV_PARTS)
+    }
