@@ -14,8 +14,8 @@ from qurl_verl.platform.host import Host
 from qurl_verl.rollout.engine_checks import check_fp8_hardware
 from qurl_verl.settings import QurlConfigError, RolloutSettings
 
-PRESETS = ("bf16", "naive_int8", "tis_int8", "tis_fp8", "int8", "fp8")
-UAQ_PRESETS = ("int8", "fp8")
+PRESETS = ("bf16", "naive_int8", "tis_int8", "tis_fp8", "int8", "fp8", "int8_fp8kv", "fp8_fp8kv")
+UAQ_PRESETS = ("int8", "fp8", "int8_fp8kv", "fp8_fp8kv")
 
 # From verl's recipe/dapo/test_dapo_7b_math.sh (volcengine/verl), shell variables written out and the
 # `reward_model.*` keys renamed to verl 0.9.1's `reward.*`; it runs on 8 nodes and resumes automatically.
@@ -76,7 +76,9 @@ def test_grpo_example_with_a_preset_names_the_override_to_remove(preset):
 def test_grpo_example_without_the_rollout_override_is_a_qurl_run(preset):
     overrides = [o for o in GRPO_EXAMPLE if not o.startswith("actor_rollout_ref.rollout.name=")]
     settings = driver.check_config(compose_ppo_config([*overrides, f"+qurl={preset}"]))
-    assert settings.rollout is not None and settings.rollout.format.value == ("bf16" if preset == "bf16" else "fp8" if "fp8" in preset else "int8")
+    weights = preset.removesuffix("_fp8kv")
+    assert settings.rollout is not None and settings.rollout.format.value == ("bf16" if preset == "bf16" else "fp8" if "fp8" in weights else "int8")
+    assert settings.rollout.kv_cache.value == ("fp8" if preset.endswith("_fp8kv") else "auto")
     assert (settings.loss is None) == (preset in ("bf16", "naive_int8"))
 
 
