@@ -13,7 +13,7 @@ from qurl_verl import settings as qs
 from qurl_verl.driver import model_path as qc_path
 from qurl_verl.driver import prepare as qc_prepare
 
-PRESETS = ["bf16", "fp8", "int8", "naive_int8", "tis_fp8", "tis_int8"]
+PRESETS = ["bf16", "fp8", "fp8_fp8kv", "int8", "int8_fp8kv", "naive_int8", "tis_fp8", "tis_int8"]
 EXPECTED = {  # preset -> (rollout.quantization, loss_mode, UAQ)
     "bf16": ("bf16", "vanilla", False),
     "naive_int8": ("int8", "vanilla", False),
@@ -21,9 +21,13 @@ EXPECTED = {  # preset -> (rollout.quantization, loss_mode, UAQ)
     "tis_fp8": ("fp8", "qurl_tis", False),
     "int8": ("int8", "qurl_acr", True),
     "fp8": ("fp8", "qurl_acr", True),
+    "int8_fp8kv": ("int8", "qurl_acr", True),
+    "fp8_fp8kv": ("fp8", "qurl_acr", True),
 }
-# three recipes with every preset; the 32B size of the DAPO recipe with the default preset
-MATRIX = [(r, p) for r in ("deepscaler", "dapo", "gsm8k_ppo") for p in PRESETS] + [("dapo_32b", "int8")]
+# three recipes with every preset of the weights (the FP8 KV presets with one: they change the rollout's
+# KV cache only, which test_recipe_group checks against every recipe); the 32B DAPO with the default preset
+MATRIX = [(r, p) for r in ("deepscaler", "dapo", "gsm8k_ppo") for p in PRESETS if not p.endswith("_fp8kv")] + [
+    ("deepscaler", "int8_fp8kv"), ("dapo_32b", "int8")]
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +140,11 @@ def test_write_data_entry_point(tmp_path, capsys):
 
 
 def test_unknown_preset_is_named_with_the_choices(data_root):
-    with pytest.raises(rc.RecipeCheckError, match=r"unknown preset 'int4'; choose one of bf16, fp8, int8, naive_int8, tis_fp8, tis_int8"):
+    with pytest.raises(rc.RecipeCheckError, match=r"unknown preset 'int4'; choose one of bf16, fp8, fp8_fp8kv, int8, int8_fp8kv, naive_int8, tis_fp8, tis_int8"):
         rc.check_overrides(["+qurl=int4"])
     p = subprocess.run(["bash", "recipes/deepscaler/run.sh", "--print-overrides"], cwd=rc.REPO, capture_output=True,
                        text=True, env={"PATH": "/usr/bin:/bin", "PRESET": "int4"})
-    assert p.returncode == 2 and "unknown PRESET=int4; choose one of: bf16 fp8 int8 naive_int8 tis_fp8 tis_int8" in p.stderr
+    assert p.returncode == 2 and "unknown PRESET=int4; choose one of: bf16 fp8 fp8_fp8kv int8 int8_fp8kv naive_int8 tis_fp8 tis_int8" in p.stderr
     p = subprocess.run(["bash", "recipes/dapo/run.sh", "--print-overrides"], cwd=rc.REPO, capture_output=True,
                        text=True, env={"PATH": "/usr/bin:/bin", "SIZE": "70b"})
     assert p.returncode == 2 and "unknown SIZE=70b; choose 7b or 32b" in p.stderr
