@@ -41,7 +41,7 @@ def all_reduce_max(obs: KVRangeObserver) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     layers, amax = obs.table()
-    count = torch.tensor([len(layers)], dtype=torch.int64, device=amax.device)
+    count = torch.tensor([len(layers)], dtype=torch.int64, device=amax.device if layers else collective_device())
     counts = [torch.zeros_like(count) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, count)
     if len({int(c) for c in counts}) != 1:
@@ -49,6 +49,14 @@ def all_reduce_max(obs: KVRangeObserver) -> None:
     if layers:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX)
         obs.set_table(layers, amax)
+
+
+def collective_device() -> torch.device:
+    """Where a tensor must be for the default group's collectives: the GPU under an NCCL-only group."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend())
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and "gloo" not in backend else torch.device("cpu")
 
 
 def train_with_kv_ranges_for(original):
