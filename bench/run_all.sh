@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-.venv/bin/python}"
 run() { echo "=== $*"; "$py" "$@"; }
+run bench/bench_decode_roofline.py  # arithmetic only: seconds
 run bench/bench_quantize.py
 run bench/bench_acr_loss.py
 run bench/bench_quantize_side.py
@@ -16,6 +17,7 @@ run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits gain4 fanin --
 run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits --out bench/results/fidelity_jitter
 run bench/bench_step_overheads.py --reps 2 --no-bf16-sync
 run bench/bench_sync_scaling.py
+run bench/bench_kv_cache_capacity.py  # KV-cache capacity and long-context throughput, BF16 vs FP8 KV: ~10 min
 run bench/bench_rollout_throughput.py --formats bf16 int8 --blocks 3 --reps 1 --max-tokens 64 --batches 1 8 32 --budget-s 1500
 # the same with oneDNN and torch capped at AVX2 (how a CPU without VNNI runs INT8; a no-op on an AVX2 CPU, where the
 # run above already is that class): INT8 on the packed AVX2 GEMM and on oneDNN's split, side by side
