@@ -58,7 +58,7 @@ bench: venv
 report: venv
 	bash recipes/tiny_cpu/report/run.sh
 
-# the GRPO study at W5A8 mismatch: seven variants x two seeds, tables and figures in recipes/tiny_cpu/study/
+# the GRPO study at W5A8 mismatch: nine variants (two with an FP8 KV cache) x two seeds, tables and figures in recipes/tiny_cpu/study/
 study: venv
 	bash recipes/tiny_cpu/study/run.sh
 

@@ -1,4 +1,4 @@
-"""GRPO study of QuRL's mechanisms on the tiny model: six rollout/loss variants, pure torch.
+"""GRPO study of QuRL's mechanisms on the tiny model: rollout/loss variants, pure torch.
 
 The study needs hundreds of GRPO steps per variant and seed, with 64-token answers; through
 ``main_ppo`` on two CPU cores a step costs tens of seconds, so the twelve runs would take most of
@@ -8,6 +8,10 @@ a day. This harness runs the same algorithm in one process instead:
   (``quantize_linear_modules_(fake=True)``: codes within +-(2^(b-1)-1), per-channel weight and
   per-token activation absmax, the function vLLM's INT8 kernel computes for the same codes, see
   ``tests/integration/test_qurl_vllm_reload.py``); temperature-1 sampling with a KV cache;
+* FP8 KV cache (the ``*_fp8kv`` variants): in every attention call of the rollout, K and V are
+  quantize-dequantized to FP8 E4M3 with one scale per layer for K and one for V, what the cache
+  stores and gives back; the scales come from the K/V ranges of the previous step's update
+  forwards of the fp32 trainer (``qurl_verl.quant.kv_cache``), 1.0 before the first update;
 * behaviour log-probs from the sampling pass, proximal log-probs from the fp32 model before the
   update, GRPO advantages, ``mini_batches`` AdamW updates per rollout (so the PPO ratio moves
   off 1 and the clip bounds bind), token-mean loss, gradient clipping, as verl's defaults;
@@ -23,6 +27,7 @@ steps), bit-identical to an uninterrupted run. Never imports verl or vLLM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -38,8 +43,10 @@ from qurl_recipes.data.chain_arithmetic import draw_problems
 from qurl_recipes.rewards.chain_arithmetic import final_answer
 from qurl_recipes.uaq_vs_lr import clip_grad_norm_as_uaq_, group_normalised_advantages, per_group_lr_param_groups
 from qurl_verl.losses.acr import LOG_RATIO_BOUND, acr_token_loss
+from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
 from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
 from qurl_verl.quant import apply_uaq, int_format, quantize_linear_modules_
+from qurl_verl.quant.kv_cache import FP8_KV_MAX, KVRangeObserver, quantize_dequantize_fp8, scale_from_amax
 from qurl_verl.quant.linear import W8A8Linear
 from qurl_verl.quant.uaq import DEFAULT_UAQ_SCALE, DEFAULT_UAQ_TARGETS
 from qurl_verl.quant.update_visibility import changed_code_count
@@ -54,6 +61,7 @@ class Variant:
     uaq: bool = False
     per_group_lr: bool = False
     clip_as_uaq: bool = False  # clip by the gradient norm UAQ would see (uaq_vs_lr.clip_grad_norm_as_uaq_)
+    fp8_kv: bool = False  # the rollout's KV cache holds K and V as FP8 E4M3 (per-layer scales)
 
 
 VARIANTS: dict[str, Variant] = {
@@ -64,6 +72,8 @@ VARIANTS: dict[str, Variant] = {
     "acr_uaq": Variant("quantized", "acr", uaq=True),
     "acr_per_group_lr": Variant("quantized", "acr", per_group_lr=True),
     "acr_per_group_lr_uaq_clip": Variant("quantized", "acr", per_group_lr=True, clip_as_uaq=True),
+    "tis_fp8kv": Variant("quantized", "tis", fp8_kv=True),
+    "acr_uaq_fp8kv": Variant("quantized", "acr", uaq=True, fp8_kv=True),
 }
 
 
@@ -125,6 +135,91 @@ def changed_code_shares(before: dict[str, torch.Tensor], after: dict[str, torch.
     return changed / max(total, 1), changed_t / max(total_t, 1)
 
 
+# vLLM's K and V scale before any is loaded, so what the first rollout of a run uses (the trainer
+# has not run a forward yet that could measure the ranges)
+INITIAL_KV_SCALE = 1.0
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """The per-layer FP8 KV cache scales one rollout uses: ``k[layer]``, ``v[layer]`` (float32)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def initial(cls, layers: int) -> KVScales:
+        return cls(torch.full((layers,), INITIAL_KV_SCALE), torch.full((layers,), INITIAL_KV_SCALE))
+
+    @classmethod
+    def from_amax(cls, amax: dict[int, torch.Tensor]) -> KVScales:
+        """Scales from ``KVRangeObserver.take()`` ({layer: [q, k, v] amax}), which must cover every layer."""
+        if sorted(amax) != list(range(len(amax))) or not amax:
+            raise ValueError(f"K/V ranges observed for layers {sorted(amax)}, not for every layer from 0")
+        table = torch.stack([amax[i] for i in range(len(amax))])
+        return cls(scale_from_amax(table[:, 1]), scale_from_amax(table[:, 2]))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k.clone(), "v": self.v.clone()}
+
+    def stats(self) -> dict[str, float]:
+        return {"kv_k_scale_min": float(self.k.min()), "kv_k_scale_max": float(self.k.max()),
+                "kv_v_scale_min": float(self.v.min()), "kv_v_scale_max": float(self.v.max())}
+
+
+class FP8KVCache:
+    """Attention hook (``kv_hook``) that gives every attention call K and V as an FP8 E4M3 cache with
+    these per-layer scales holds them; Q is left as it is. ``fill`` keeps the largest |K| or |V| seen
+    as a share of the FP8 range (448 x scale): above 1 the cache saturated.
+
+    The hook sees the whole cache, past positions and new ones, at every call. It keeps the quantized
+    tensors of each layer and, while decoding, quantizes only the positions added since the last call:
+    the same values as quantizing everything again (elementwise, deterministic), without redoing the
+    whole cache at every token. A call whose query covers every key (a prefill or a full forward)
+    starts afresh."""
+
+    def __init__(self, scales: KVScales):
+        self.scales = scales
+        self.fill = 0.0
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        layer = layer_index(module)
+        k_scale, v_scale = self.scales.k[layer], self.scales.v[layer]
+        added, length = query.shape[-2], key.shape[-2]
+        held = self._held.get(layer)
+        if held is not None and added < length and held[0].shape[:-2] == key.shape[:-2] \
+                and held[0].shape[-2] == length - added:
+            key, value = key[..., -added:, :], value[..., -added:, :]
+        else:
+            held = None
+        self.fill = max(self.fill, float(key.abs().amax() / (FP8_KV_MAX * k_scale)),
+                        float(value.abs().amax() / (FP8_KV_MAX * v_scale)))
+        key, value = quantize_dequantize_fp8(key, k_scale), quantize_dequantize_fp8(value, v_scale)
+        if held is not None:
+            key, value = torch.cat([held[0], key], dim=-2), torch.cat([held[1], value], dim=-2)
+        self._held[layer] = (key, value)
+        return query, key, value
+
+
+def attended_kv_ranges(observer: KVRangeObserver, attention_mask: torch.Tensor):
+    """Attention hook that feeds ``observer`` the Q/K/V of the attended tokens of a full forward
+    (``attention_mask`` [n, T]): verl's padding-free forwards never see pad positions, so their K and
+    V must not widen the ranges."""
+
+    @torch.no_grad()
+    def observe(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        on = attention_mask[:, None, :, None].to(key.dtype)  # [n, 1, T, 1] against [n, heads, T, head_dim]
+        observer.observe(layer_index(module), query.detach() * on, key.detach() * on, value.detach() * on)
+
+    return observe
+
+
+def _attention_hook(hook):
+    return contextlib.nullcontext() if hook is None else kv_hook(hook)
+
+
 @dataclass
 class Rollout:
     sequences: torch.Tensor  # [N, Lp + L] left-padded prompt, then the response (pad after EOS)
@@ -141,15 +236,17 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(policy: nn.Module, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
-           seed: int, greedy: bool = False) -> Rollout:
-    """``group_size`` temperature-1 samples per prompt (or one greedy answer), with their log-probs."""
+           seed: int, greedy: bool = False, kv_cache: FP8KVCache | None = None) -> Rollout:
+    """``group_size`` temperature-1 samples per prompt (or one greedy answer), with their log-probs;
+    with ``kv_cache``, through an FP8 KV cache (sampling and log-probs are the same pass)."""
     tokenizer.padding_side = "left"
     enc = tokenizer([p for p in prompts for _ in range(group_size)], return_tensors="pt", padding=True,
                     add_special_tokens=False)
     torch.manual_seed(seed)
-    out = policy.generate(**enc, do_sample=not greedy, temperature=None if greedy else 1.0, top_k=0, top_p=1.0,
-                          max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                          eos_token_id=tokenizer.eos_token_id, output_logits=True, return_dict_in_generate=True)
+    with _attention_hook(kv_cache):
+        out = policy.generate(**enc, do_sample=not greedy, temperature=None if greedy else 1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=tokenizer.eos_token_id, output_logits=True, return_dict_in_generate=True)
     prompt_len = enc["input_ids"].shape[1]
     response = out.sequences[:, prompt_len:]
     logits = torch.stack(out.logits, dim=1).float()  # [N, L, V], raw (temperature 1, no top-k/p)
@@ -217,13 +314,16 @@ class StudyRun:
         self._order = random.Random(seed)
         self._queue: list[int] = []
         self._codes: dict[str, torch.Tensor] | None = None
+        # the scales the next rollout's FP8 KV cache uses: 1.0 until the trainer has measured K and V
+        self.kv_scales = KVScales.initial(self.model.config.num_hidden_layers) if self.variant.fp8_kv else None
 
     def state_dict(self) -> dict:
         """What carries over from one step to the next. Sampling and the mini-batch order draw from
         per-step seeds; the global RNG is kept too, so that nothing depends on that holding."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "order": self._order.getstate(), "queue": list(self._queue), "codes": self._codes,
-                "torch_rng": torch.get_rng_state()}
+                "torch_rng": torch.get_rng_state(),
+                "kv_scales": self.kv_scales.state_dict() if self.kv_scales is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])  # copies in place: the optimizer keeps its parameters
@@ -232,6 +332,12 @@ class StudyRun:
         self._queue = list(state["queue"])
         self._codes = state["codes"]
         torch.set_rng_state(state["torch_rng"])
+        kv = state.get("kv_scales")  # absent from checkpoints of variants written before the FP8 KV arm
+        self.kv_scales = KVScales(kv["k"], kv["v"]) if kv is not None else None
+
+    def rollout_kv_cache(self) -> FP8KVCache | None:
+        """The FP8 KV cache of this step's rollout policy, None for a variant without one."""
+        return FP8KVCache(self.kv_scales) if self.kv_scales is not None else None
 
     def _prompt(self, question: str) -> str:
         return self.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
@@ -246,17 +352,18 @@ class StudyRun:
             picked.append(self.train[self._queue.pop()])
         return picked
 
-    def greedy_accuracy(self, policy: nn.Module, questions: list[tuple[str, int]]) -> float:
+    def greedy_accuracy(self, policy: nn.Module, questions: list[tuple[str, int]],
+                        kv_cache: FP8KVCache | None = None) -> float:
         out = sample(policy, self.tokenizer, [p for p, _ in questions], 1, self.settings.max_response_tokens,
-                     seed=0, greedy=True)
+                     seed=0, greedy=True, kv_cache=kv_cache)
         return float(exact_rewards(out.texts, [a for _, a in questions]).mean())
 
     def evaluate(self, rollout_policy: nn.Module) -> dict[str, float]:
-        """Greedy accuracy of the rollout policy (what the variant samples from) on the validation
-        questions, and of the fp32 trainer weights (the model a run keeps, the same evaluator for every
-        variant) on the validation and the training questions."""
+        """Greedy accuracy of the rollout policy (what the variant samples from, through its FP8 KV
+        cache where it has one) on the validation questions, and of the fp32 trainer weights (the model
+        a run keeps, the same evaluator for every variant) on the validation and the training questions."""
         self.model.eval()
-        return {"val_acc": self.greedy_accuracy(rollout_policy, self.val),
+        return {"val_acc": self.greedy_accuracy(rollout_policy, self.val, self.rollout_kv_cache()),
                 "val_acc_full": self.greedy_accuracy(self.model, self.val),
                 "train_acc_full": self.greedy_accuracy(self.model, self.train)}
 
@@ -275,8 +382,9 @@ class StudyRun:
 
         t1 = time.perf_counter()
         batch = self._next_prompts()
+        kv_cache = self.rollout_kv_cache()
         rollout = sample(policy, self.tokenizer, [p for p, _ in batch], s.group_size, s.max_response_tokens,
-                         seed=self.seed * 1_000_003 + step)
+                         seed=self.seed * 1_000_003 + step, kv_cache=kv_cache)
         answers = [a for _, a in batch for _ in range(s.group_size)]
         rewards = exact_rewards(rollout.texts, answers)
         rollout_s = time.perf_counter() - t1
@@ -287,6 +395,13 @@ class StudyRun:
             prox = response_log_probs(self.model, rollout)
         log_w = prox - rollout.behaviour_log_probs
         record.update(mismatch_stats(log_w, mask, s.is_cap))
+        if kv_cache is not None:
+            record.update(self.kv_scales.stats(), kv_fill_max=kv_cache.fill)
+            # the mismatch the cache adds on its own: KL(pi_behav || the same W{b}A8 policy without
+            # FP8 KV) on the sampled tokens, the same estimator as KL(behav || prox)
+            with torch.no_grad():
+                unquantized_kv = response_log_probs(policy, rollout)
+            record["kl_fp8kv_k3"] = mismatch_stats(unquantized_kv - rollout.behaviour_log_probs, mask, s.is_cap)["kl_k3"]
         # how peaked the sampled policy is: a sharpening policy's log-probs move less under the same
         # weight error, so KL(behav||prox) can fall while the quantization error stays the same
         record["entropy"] = masked_mean(rollout.behaviour_entropy, mask)
@@ -295,8 +410,13 @@ class StudyRun:
         loss_log_w = log_w if v.loss in ("tis", "acr") else torch.zeros_like(log_w)
         clip_upper = clip_lower = upper_bound_max = grad_norm_max = 0.0
         rows = torch.randperm(mask.shape[0], generator=torch.Generator().manual_seed(self.seed * 7919 + step))
+        # the next rollout's FP8 KV scales come from the K/V ranges of this step's update forwards, as
+        # the real system measures them in the actor's update and sends them with the next weight sync
+        kv_ranges = KVRangeObserver() if kv_cache is not None else None
         for part in rows.chunk(s.mini_batches):
-            log_prob = response_log_probs(self.model, rollout, part)
+            observe = attended_kv_ranges(kv_ranges, rollout.attention_mask[part]) if kv_ranges is not None else None
+            with _attention_hook(observe):
+                log_prob = response_log_probs(self.model, rollout, part)
             loss_mat, stats = acr_token_loss(log_prob, old[part], loss_log_w[part], advantages[part], mask[part],
                                              is_cap=s.is_cap, clip_ratio_low=s.clip_ratio_low,
                                              clip_ratio_high=s.clip_ratio_high, clip_ratio_c=s.clip_ratio_c,
@@ -314,6 +434,8 @@ class StudyRun:
             clip_upper += d["clipfrac_upper"] / s.mini_batches
             clip_lower += d["clipfrac_lower"] / s.mini_batches
             upper_bound_max = max(upper_bound_max, d["upper_bound_max"])
+        if kv_ranges is not None:
+            self.kv_scales = KVScales.from_amax(kv_ranges.take())
         record.update(
             reward=float(rewards.mean()),
             response_tokens=float(mask.sum(1).mean()),
@@ -404,7 +526,7 @@ def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings,
                       f"kl {record['kl_k3']:.2e} w_max {record['w_max']:.2f} {record['step_s']:.1f}s", flush=True)
             if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < settings.steps:
                 save_checkpoint(checkpoint, study, step + 1, step + 1, time.perf_counter() - t0, resumed_at)
-        final = build_rollout(study.model, study.variant, settings.weight_bits)
+        final = build_rollout(study.model, study.variant, settings.weight_bits)  # evaluate(): last step's KV scales
         f.write(json.dumps({"step": settings.steps, **study.evaluate(final)}) + "\n")
     torch.save(study.model.state_dict(), folder / "final_state_dict.pt")  # fp32 trainer weights (UAQ space for acr_uaq)
     partial.replace(metrics)

@@ -5,6 +5,11 @@ standard error (sample standard deviation / sqrt(seeds)), so the error bars are 
 variation, not step-to-step noise. A difference between two variants counts only beyond twice
 the standard error of the difference (sqrt(se_a^2 + se_b^2)). Pure Python + matplotlib.
 
+The report in ``--out`` is extended, not thrown away: arms it already holds whose runs are not under
+``--runs`` (an arm added later, such as the FP8 KV cache arm, runs on its own) keep their summaries,
+and its long-horizon section stays unless ``--long-runs`` replaces it. Figures drawn from per-step
+records are redrawn only when every arm has its runs; otherwise the existing ones stay.
+
 ``--long-runs`` adds a long-horizon section (paper Fig. 3: TIS drifts after ~500 steps, ACR does
 not) from a separate set of runs of >= 600 steps, in 100-step windows; without ``--runs`` it adds
 that section to the report already in ``--out`` and leaves the rest of it as it is.
@@ -27,9 +32,15 @@ VARIANT_LABELS = {
     "acr_uaq": "W{b}A8 + ACR + UAQ",
     "acr_per_group_lr": "W{b}A8 + ACR + per-group LR",
     "acr_per_group_lr_uaq_clip": "W{b}A8 + ACR + per-group LR, clipped as UAQ",
+    "tis_fp8kv": "W{b}A8 + FP8 KV + TIS",
+    "acr_uaq_fp8kv": "W{b}A8 + FP8 KV + ACR + UAQ",
 }
 VARIANT_COLORS = {"bf16": "tab:blue", "naive": "tab:orange", "tis": "tab:green", "acr_no_uaq": "tab:red",
-                  "acr_uaq": "tab:purple", "acr_per_group_lr": "tab:brown", "acr_per_group_lr_uaq_clip": "tab:olive"}
+                  "acr_uaq": "tab:purple", "acr_per_group_lr": "tab:brown", "acr_per_group_lr_uaq_clip": "tab:olive",
+                  "tis_fp8kv": "tab:cyan", "acr_uaq_fp8kv": "tab:pink"}
+# each FP8 KV cache arm: the same variant without the cache, and the claim the pair tests
+FP8_KV_PAIRS = {"tis_fp8kv": ("tis", "TIS holds the extra mismatch of an FP8 KV cache"),
+                "acr_uaq_fp8kv": ("acr_uaq", "ACR + UAQ holds the extra mismatch of an FP8 KV cache")}
 SMOOTH = 10  # moving-average window of the per-step curves
 SIGNIFICANCE = 2.0  # differences count beyond this many standard errors
 
@@ -68,7 +79,7 @@ def seed_statistics(rows: list[dict], is_cap: float, max_grad_norm: float = 1.0)
         return evals[i].get(key, float("nan")) if evals else float("nan")
 
     grad_norms = [r["grad_norm_max"] for r in train if "grad_norm_max" in r]
-    return {
+    return {**_fp8_kv_statistics(train),
         "steps": n,
         "reward_first": statistics.fmean(rewards[:w]),
         "reward_last": statistics.fmean(rewards[-w:]),
@@ -94,11 +105,31 @@ def seed_statistics(rows: list[dict], is_cap: float, max_grad_norm: float = 1.0)
     }
 
 
+def _fp8_kv_statistics(train: list[dict]) -> dict:
+    """The FP8 KV cache's per-step fields of one seed (nan for a variant without the cache). The scale
+    ranges leave out step 0, whose scales are the initial 1.0, not measured ones."""
+    nan = float("nan")
+    added = [r["kl_fp8kv_k3"] for r in train if "kl_fp8kv_k3" in r]
+    fill = [r["kv_fill_max"] for r in train if "kv_fill_max" in r]
+    measured = [r for r in train if r["step"] > 0 and "kv_k_scale_min" in r]
+
+    def extreme(pick, key):
+        return pick(r[key] for r in measured) if measured else nan
+
+    return {"kl_fp8kv_mean": statistics.fmean(added) if added else nan, "kv_fill_max": max(fill) if fill else nan,
+            **{key: extreme(pick, key) for pick, key in FP8_KV_SCALE_EXTREMES}}
+
+
+# (how seeds combine, key): the scale range over the measured steps, widest across seeds
+FP8_KV_SCALE_EXTREMES = ((min, "kv_k_scale_min"), (max, "kv_k_scale_max"), (min, "kv_v_scale_min"),
+                         (max, "kv_v_scale_max"))
+
 # quantities summarised as mean +- se across seeds; w_max is the maximum over seeds
 AVERAGED = ("reward_first", "reward_last", "kl_mean", "kl_first_half", "kl_second_half", "w_above_c_step_share",
             "w_frac_above_c_mean", "clipfrac_upper_mean", "changed_code_share", "changed_code_share_qkv",
             "val_acc_first", "val_acc_last", "val_acc_full_first", "val_acc_full_last", "train_acc_full_first",
-            "train_acc_full_last", "grad_clipped_step_share", "sync_s", "step_s")
+            "train_acc_full_last", "grad_clipped_step_share", "sync_s", "step_s", "kl_fp8kv_mean",
+            "kv_fill_max")
 # accuracies on a fixed question set: key -> which set ("val" or "train") they are measured on
 ACCURACIES = {"val_acc_first": "val", "val_acc_last": "val", "val_acc_full_first": "val", "val_acc_full_last": "val",
               "train_acc_full_first": "train", "train_acc_full_last": "train"}
@@ -120,6 +151,9 @@ def variant_summary(per_seed: dict[int, dict], questions: dict[str, int] | None 
             floor = math.sqrt(m * (1 - m) / (questions[ACCURACIES[key]] * len(stats)))
             se = floor if math.isnan(se) else max(se, floor)
         out[key], out[f"{key}_se"] = m, se
+    for pick, key in FP8_KV_SCALE_EXTREMES:
+        values = [s[key] for s in stats if not math.isnan(s.get(key, float("nan")))]
+        out[key] = pick(values) if values else float("nan")
     m, se = mean_se([s["kl_second_half"] - s["kl_first_half"] for s in stats])
     out["kl_drift"], out["kl_drift_se"] = m, se
     m, se = mean_se([s["reward_last"] - s["reward_first"] for s in stats])
@@ -209,6 +243,20 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
             verdict = ("agree within seed noise" if not differ else f"differ beyond seed noise in {', '.join(differ)}"
                        + (f"; agree in {', '.join(agree)}" if agree else ""))
             add(claim, "; ".join(f"{k} per-group − UAQ {_fmt(*diffs[k], '.3g')}" for k in keys), verdict)
+    for arm, (base, claim) in FP8_KV_PAIRS.items():
+        if {arm, base} <= s.keys():
+            a, b = s[arm], s[base]
+            d, se = difference(a, b, FINAL_ACCURACY)
+            dk, sek = difference(a, b, "kl_mean")
+            if d < 0 and beyond_noise(d, se):
+                verdict = "not held (final accuracy falls beyond seed noise)"
+            else:
+                verdict = ("held within seed noise (final accuracy); KL(behav‖prox) "
+                           + ("rises beyond" if dk > 0 and beyond_noise(dk, sek) else "within") + " seed noise")
+            add(claim, f"final accuracy FP8 KV − without {_fmt(d, se)}; KL(behav‖prox) FP8 KV − without "
+                       f"{_fmt(dk, sek, '.2e')}; KL added by the cache alone {a['kl_fp8kv_mean']:.2e} ± "
+                       f"{a['kl_fp8kv_mean_se']:.2e}; tokens with w > C {a['w_frac_above_c_mean']:.2e} against "
+                       f"{b['w_frac_above_c_mean']:.2e}", verdict)
     return checks
 
 
@@ -453,6 +501,55 @@ def plot(runs, out_dir: Path, bits: int, is_cap: float) -> list[Path]:
     return written
 
 
+def plot_fp8_kv(runs, summaries: dict[str, dict], out_dir: Path, bits: int, is_cap: float) -> list[Path]:
+    """``fp8_kv_cache.png``: KL(behav‖prox), the KL the cache adds, w > C and the scales of the FP8 KV arms
+    per step; the same variants without the cache as dashed lines at their run means."""
+    arms = [v for v in FP8_KV_PAIRS if v in runs]
+    if not arms:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), dpi=110)
+    panels = ((axes[0, 0], "kl_k3", "kl_mean", "KL(behav ‖ prox), k3"),
+              (axes[0, 1], "kl_fp8kv_k3", None, "KL added by the FP8 KV cache"),
+              (axes[1, 0], "w_frac_above_c", "w_frac_above_c_mean", f"share of tokens with w > C = {is_cap:g}"))
+    for ax, key, mean_key, ylabel in panels:
+        for v in arms:
+            _draw(ax, runs, v, key, True, bits)
+            base = FP8_KV_PAIRS[v][0]
+            if mean_key and base in summaries:
+                ax.axhline(summaries[base][mean_key], color=VARIANT_COLORS.get(base), ls="--", lw=1.2,
+                           label=f"{VARIANT_LABELS.get(base, base).format(b=bits)}: run mean")
+        ax.set_yscale("log")
+        ax.set_ylabel(ylabel)
+    ax = axes[1, 1]
+    for v in arms:
+        for part, style in (("k", "-"), ("v", ":")):
+            rows = [r for r in _train_rows(next(iter(runs[v].values()))[0])  # the first seed, measured scales
+                    if r["step"] > 0 and f"kv_{part}_scale_max" in r]
+            for bound in ("min", "max"):
+                ax.plot([r["step"] for r in rows], [r[f"kv_{part}_scale_{bound}"] for r in rows],
+                        ls=style, color=VARIANT_COLORS.get(v), lw=1,
+                        label=f"{VARIANT_LABELS.get(v, v).format(b=bits)}: {part.upper()}" if bound == "max" else None)
+    ax.set_yscale("log")
+    ax.set_ylabel("per-layer scale (min and max over layers)")
+    ax.set_title("scales of the first seed from step 1 (step 0: 1.0 in every layer)", fontsize=9)
+    for ax in axes.flat:
+        ax.set_xlabel("GRPO step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"FP8 KV cache arms ({SMOOTH}-step moving average; mean over seeds, shaded: min–max across seeds)",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    path = out_dir / "fp8_kv_cache.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return [path]
+
+
 def plot_long(runs, summaries: dict[str, dict], out_dir: Path, bits: int) -> list[Path]:
     """KL over the long runs (log y) and reward / training accuracy per 100-step window."""
     import matplotlib
@@ -521,12 +618,28 @@ TABLE_COLUMNS = (  # key, header, format
 )
 
 
-def markdown(summaries: dict[str, dict], checks: list[dict], settings: dict, cpu: dict, bits: int) -> str:
+def _cpu_name(cpu: dict) -> str:
+    return f"{cpu.get('model', '?')} ({cpu.get('isa', '?')})"
+
+
+def markdown(summaries: dict[str, dict], checks: list[dict], settings: dict, cpu: dict, bits: int,
+             kept: dict[str, dict] | None = None) -> str:
+    """The 200-step tables and claims; ``kept``: {variant: {"cpu": ...}} of the arms taken over from
+    the earlier report (their runs were not under ``--runs``)."""
+    origin = f"CPU: {_cpu_name(cpu)}."
+    if kept:
+        by_cpu: dict[str, list[str]] = {}
+        for v in (v for v in summaries if v in kept):
+            by_cpu.setdefault(_cpu_name(kept[v].get("cpu", {})), []).append(VARIANT_LABELS.get(v, v).format(b=bits))
+        fresh = [VARIANT_LABELS.get(v, v).format(b=bits) for v in summaries if v not in kept]
+        origin = (f"CPU: {_cpu_name(cpu)} for {', '.join(fresh)}; "
+                  + "; ".join(f"{', '.join(names)} kept from the earlier report (CPU: {name})"
+                              for name, names in by_cpu.items()) + ".")
     lines = ["# GRPO study: results (generated by `python -m qurl_recipes.study_report`)", "",
              f"Weight bits {bits}, {settings['steps']} steps, lr {settings['lr']:g}, "
              f"{settings['prompts_per_step']} prompts × {settings['group_size']} samples, "
              f"{settings.get('mini_batches', 1)} updates per rollout, C = {settings['is_cap']:g}. "
-             f"CPU: {cpu.get('model', '?')} ({cpu.get('isa', '?')}). Values: mean ± standard error across seeds.", "",
+             f"{origin} Values: mean ± standard error across seeds.", "",
              "| variant | seeds | " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " | max w |",
              "|---|---|" + "---:|" * (len(TABLE_COLUMNS) + 1)]
     for v, s in summaries.items():
@@ -538,7 +651,38 @@ def markdown(summaries: dict[str, dict], checks: list[dict], settings: dict, cpu
                      + f" | {s['w_max']:.2f} |")
     lines += ["", "| claim | measure | verdict |", "|---|---|---|"]
     lines += [f"| {c['claim']} | {c['measure']} | {c['verdict']} |" for c in checks]
+    lines += fp8_kv_markdown(summaries, bits)
     return "\n".join(lines) + "\n"
+
+
+FP8_KV_COLUMNS = (  # key, header, format
+    ("kl_mean", "KL(behav‖prox)", ".2e"), ("kl_fp8kv_mean", "KL added by the cache", ".2e"),
+    ("w_frac_above_c_mean", "tokens with w > C", ".2e"), ("w_above_c_step_share", "steps with w > C", ".2f"),
+    ("reward_last", "reward last", ".3f"), ("train_acc_full_last", "train acc end", ".3f"),
+    ("val_acc_last", "val acc end (rollout)", ".3f"), ("kv_fill_max", "largest K or V / FP8 range", ".2f"),
+    ("step_s", "step s", ".2f"),
+)
+
+
+def fp8_kv_markdown(summaries: dict[str, dict], bits: int) -> list[str]:
+    """The FP8 KV cache table: each FP8 arm under the same variant without the cache (no lines without an arm)."""
+    rows = [v for arm, (base, _) in FP8_KV_PAIRS.items() if arm in summaries for v in (base, arm) if v in summaries]
+    if not rows:
+        return []
+    lines = ["", "## FP8 KV cache", "",
+             f"KL added by the cache: KL(π_behav ‖ the same W{bits}A8 policy without the FP8 KV cache) on the sampled "
+             "tokens, per step, then averaged. Scales: per layer, from the K/V ranges of the previous step's update "
+             "forwards; step 0 rolls out with 1.0 in every layer and is left out of the scale ranges.", "",
+             "| variant | seeds | " + " | ".join(h for _, h, _ in FP8_KV_COLUMNS) + " | max w | K scales | V scales |",
+             "|---|---|" + "---:|" * (len(FP8_KV_COLUMNS) + 3)]
+    for v in rows:
+        s = summaries[v]
+        cells = [_cell(s.get(key, float("nan")), s.get(f"{key}_se", float("nan")), spec) for key, _, spec in FP8_KV_COLUMNS]
+        scales = [("n/a" if math.isnan(s.get(f"kv_{p}_scale_min", float("nan")))
+                   else f"{s[f'kv_{p}_scale_min']:.2e}–{s[f'kv_{p}_scale_max']:.2e}") for p in ("k", "v")]
+        lines.append(f"| {VARIANT_LABELS.get(v, v).format(b=bits)} | {len(s['seeds'])} | " + " | ".join(cells)
+                     + f" | {s['w_max']:.2f} | " + " | ".join(scales) + " |")
+    return lines
 
 
 def _cell(m: float, se: float, spec: str) -> str:
@@ -634,6 +778,29 @@ def add_long_horizon(long_runs: Path, variants: list[str], out_dir: Path) -> dic
     return result
 
 
+def _previous_report(out_dir: Path) -> tuple[dict, str]:
+    """results.json and results.md already in ``out_dir`` ({} and "" where there are none)."""
+    json_path, md_path = out_dir / "results.json", out_dir / "results.md"
+    if not (json_path.exists() and md_path.exists()):
+        return {}, ""
+    return json.loads(json_path.read_text()), md_path.read_text()
+
+
+def kept_arms(previous: dict, fresh: set[str], settings: dict) -> dict[str, dict]:
+    """{variant: {"summary": ..., "cpu": ...}} for the arms of the earlier report with no runs now.
+
+    They are kept only from a report of the same settings: the tables and claims compare arms as
+    equals, so an arm of other settings must be rerun (or the earlier report moved away)."""
+    old = {v: s for v, s in previous.get("variants", {}).items() if v not in fresh}
+    if not old:
+        return {}
+    if previous["settings"] != settings:
+        raise SystemExit(f"the report in --out holds {', '.join(old)} from runs with other settings than those under "
+                         "--runs; rerun them with these settings, or move results.json and results.md away")
+    cpus = previous.get("kept_arms", {})
+    return {v: {"summary": s, "cpu": cpus.get(v, {}).get("cpu", previous.get("cpu", {}))} for v, s in old.items()}
+
+
 def build_report(runs_dir: Path, variants: list[str], out_dir: Path, long_runs: Path | None = None) -> dict:
     runs, settings, cpu = _load_checked(runs_dir, variants)
     is_cap, bits = settings["is_cap"], settings["weight_bits"]
@@ -641,15 +808,31 @@ def build_report(runs_dir: Path, variants: list[str], out_dir: Path, long_runs: 
     summaries = {v: variant_summary({seed: seed_statistics(rows, is_cap, settings.get("max_grad_norm", 1.0))
                                      for seed, (rows, _) in seeds.items()}, questions if all(questions.values()) else None)
                  for v, seeds in runs.items()}
+    previous, previous_md = _previous_report(out_dir)
+    kept = kept_arms(previous, set(summaries), settings)
+    merged = {**{v: k["summary"] for v, k in kept.items()}, **summaries}
+    order = [v for v in VARIANT_LABELS if v in merged] + [v for v in merged if v not in VARIANT_LABELS]
+    summaries = {v: merged[v] for v in order}
     checks = claim_checks(summaries)
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = plot(runs, out_dir, bits, is_cap)
-    result = {"settings": settings, "cpu": cpu, "variants": summaries, "claims": checks,
-              "figures": [p.name for p in figures]}
-    text = markdown(summaries, checks, settings, cpu, bits)
+    if kept:  # arms without per-step records: the curves already drawn stay as they are
+        figures = [f for f in previous.get("figures", []) if (out_dir / f).exists()]
+    else:
+        figures = [p.name for p in plot(runs, out_dir, bits, is_cap)]
+    figures += [p.name for p in plot_fp8_kv(runs, summaries, out_dir, bits, is_cap) if p.name not in figures]
+    result = {"settings": settings, "cpu": cpu, "variants": summaries, "claims": checks, "figures": figures}
+    kept_info = {v: {"cpu": k["cpu"]} for v, k in kept.items()}
+    if kept:
+        result["kept_arms"] = kept_info
+    text = markdown(summaries, checks, settings, cpu, bits, kept_info)
     if long_runs is not None:
         result["long_horizon"] = build_long_horizon(long_runs, variants, out_dir)
         text += "\n" + long_markdown(result["long_horizon"], result["long_horizon"]["settings"]["weight_bits"])
+    elif "long_horizon" in previous:  # the long runs are separate: their section stays as it was written
+        result["long_horizon"] = previous["long_horizon"]
+        marker = "\n" + LONG_SECTION + "\n"
+        text += "\n" + (LONG_SECTION + "\n" + previous_md.split(marker, 1)[1] if marker in previous_md
+                        else long_markdown(previous["long_horizon"], previous["long_horizon"]["settings"]["weight_bits"]))
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, sort_keys=True, default=float) + "\n")
     (out_dir / "results.md").write_text(text)
     return result

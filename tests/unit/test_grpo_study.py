@@ -1,6 +1,7 @@
 """The pure-torch GRPO study harness (qurl_recipes.grpo_study) against direct references."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import replace
@@ -243,3 +244,116 @@ def test_cpu_description_reads_this_machine():
 
     d = cpu_description()
     assert d["isa"] in cpu_features.CPU_CLASSES and d["torch_threads"] >= 1
+
+
+def _reference_forward(model, sequences, attention_mask, kv_scales=None):
+    """A Qwen2 forward written out, with eager attention over an explicit causal and padding mask; K (after
+    RoPE) and V quantize-dequantized with ``kv_scales`` where given. Returns the logits and each layer's K, V."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    from qurl_verl.quant.kv_cache import quantize_dequantize_fp8
+
+    inner, cfg = model.model, model.config
+    n, length = sequences.shape
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()[None] & attention_mask.bool()[:, None, :]
+    allowed |= torch.eye(length, dtype=torch.bool)  # a left-pad query attends to itself instead of nothing
+    hidden = inner.embed_tokens(sequences)
+    cos, sin = inner.rotary_emb(hidden, (attention_mask.cumsum(-1) - 1).clamp(min=0))
+    kv = []
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        q, k, v = (proj(x).view(n, length, -1, head_dim).transpose(1, 2) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if kv_scales is not None:
+            k, v = quantize_dequantize_fp8(k, kv_scales.k[i]), quantize_dequantize_fp8(v, kv_scales.v[i])
+        kv.append((k, v))
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=head_dim ** -0.5)
+        out = out.transpose(1, 2).reshape(n, length, -1)
+        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return model.lm_head(inner.norm(hidden)), kv
+
+
+def _response_log_probs_of(logits, out):
+    length = out.response_mask.shape[1]
+    log_p = torch.log_softmax(logits[:, -length - 1:-1].float(), dim=-1)
+    return log_p.gather(-1, out.sequences[:, -length:, None]).squeeze(-1)
+
+
+def test_fp8_kv_rollout_quantizes_k_and_v_with_each_layer_s_scales(tiny):
+    """The behaviour log-probs of a rollout through the FP8 KV cache (cached decoding, sdpa) equal a written-out
+    forward of the same W5A8 policy that quantize-dequantizes K after RoPE and V with each layer's scales,
+    and differ from the same policy without the FP8 cache by far more (measured 5e-7 against 1.7e-2). Scales:
+    the layers' K/V amax times 2 / 448, then spread apart per layer, so that a scale applied to the wrong
+    layer or part shows. The written-out forward attends with torch's sdpa, as the model does: another
+    summation order can flip the W5A8 activation rounding of a token (measured 1e-3 with a hand-written
+    softmax). Tolerance: float32 summation order, with room for a K or V value that lands on an E4M3
+    rounding midpoint in one pass and not in the other."""
+    from qurl_recipes.grpo_study import FP8KVCache, KVScales
+
+    folder, model, tok = tiny
+    policy = build_rollout(model, VARIANTS["tis_fp8kv"], weight_bits=5)
+    plain = sample(policy, tok, _prompts(tok), group_size=3, max_new_tokens=12, seed=0)
+    with torch.no_grad():
+        _, kv = _reference_forward(policy, plain.sequences, plain.attention_mask)
+    amax = torch.tensor([[float(k.abs().max()), float(v.abs().max())] for k, v in kv])
+    spread = torch.tensor([[1.0, 0.5], [0.25, 2.0]])[: len(kv)]
+    scales = KVScales(k=(amax[:, 0] * spread[:, 0] * 2 / 448), v=(amax[:, 1] * spread[:, 1] * 2 / 448))
+
+    cache = FP8KVCache(scales)
+    out = sample(policy, tok, _prompts(tok), group_size=3, max_new_tokens=12, seed=0, kv_cache=cache)
+    on = out.response_mask
+    with torch.no_grad():
+        reference = _response_log_probs_of(_reference_forward(policy, out.sequences, out.attention_mask, scales)[0], out)
+        unquantized = response_log_probs(policy, out)
+        plain_reference = _response_log_probs_of(_reference_forward(policy, out.sequences, out.attention_mask)[0], out)
+    assert (plain_reference - unquantized)[on].abs().max() <= 1e-4  # the written-out forward is the model's
+    assert (out.behaviour_log_probs - reference)[on].abs().max() <= 1e-4
+    assert (out.behaviour_log_probs - unquantized)[on].abs().max() > 1e-2
+    # the largest |K| or |V| against 448 x scale: about 2 where the scale is a quarter of amax x 2 / 448
+    assert 1.5 < cache.fill < 2.5
+
+
+def test_kv_scales_start_at_one_then_follow_the_update_forwards_k_v_ranges(tiny, monkeypatch):
+    """Step 0 rolls out with scale 1.0 in every layer (vLLM's default before any scale arrives). After
+    it, each layer's K and V scale is amax x 2 / 448 (float64) of that layer's K after RoPE and V over
+    the attended tokens of the update forward, computed here by the written-out forward of the fp32
+    model before the update (one mini-batch, so the update forward sees exactly those weights).
+    The scales travel with the checkpoint."""
+    from qurl_recipes.grpo_study import KVScales
+
+    folder, _, _ = tiny
+    settings = StudySettings(steps=2, prompts_per_step=2, group_size=2, n_train=4, n_val=2, val_every=5,
+                             max_response_tokens=8, mini_batches=1)
+    study = StudyRun(folder, "acr_uaq_fp8kv", 1, settings)
+    layers = study.model.config.num_hidden_layers
+    assert torch.equal(study.kv_scales.k, torch.ones(layers)) and torch.equal(study.kv_scales.v, torch.ones(layers))
+    rollouts = []
+    real_sample = grpo_study.sample
+    monkeypatch.setattr(grpo_study, "sample", lambda *a, **kw: rollouts.append(real_sample(*a, **kw)) or rollouts[-1])
+    before = copy.deepcopy(study.model)
+
+    first = study.step(0)
+    assert {first[k] for k in ("kv_k_scale_min", "kv_k_scale_max", "kv_v_scale_min", "kv_v_scale_max")} == {1.0}
+    assert first["kl_fp8kv_k3"] >= 0 and first["kv_fill_max"] > 0
+    out = rollouts[-1]
+    with torch.no_grad():
+        _, kv = _reference_forward(before, out.sequences, out.attention_mask)
+    on = out.attention_mask.bool()[:, None, :, None]
+    expected = {part: [float(x[j].double().abs().masked_fill(~on, 0).max()) * 2 / 448 for x in kv]
+                for j, part in enumerate("kv")}
+    for part, got in (("k", study.kv_scales.k), ("v", study.kv_scales.v)):
+        assert all(math.isclose(float(g), e, rel_tol=1e-6) for g, e in zip(got, expected[part], strict=True))
+    second = study.step(1)  # rolls out with them, and logs their range
+    for part in "kv":
+        assert math.isclose(second[f"kv_{part}_scale_min"], min(expected[part]), rel_tol=1e-6)
+        assert math.isclose(second[f"kv_{part}_scale_max"], max(expected[part]), rel_tol=1e-6)
+
+    resumed = StudyRun(folder, "acr_uaq_fp8kv", 1, settings)
+    resumed.load_state_dict(study.state_dict())
+    assert isinstance(resumed.kv_scales, KVScales)
+    assert torch.equal(resumed.kv_scales.k, study.kv_scales.k) and torch.equal(resumed.kv_scales.v, study.kv_scales.v)

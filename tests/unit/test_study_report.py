@@ -363,3 +363,95 @@ def test_long_runs_alone_extend_the_existing_report_as_building_both_at_once_doe
     assert md.count("## Long horizon") == 1 and md.startswith(plain_md)
     assert _long_verdicts(json.loads((later / "results.json").read_text())["long_horizon"])[
         "TIS drifts after ~500 steps"] == "not reproduced"
+
+
+# --- the FP8 KV cache arm ----------------------------------------------------------------------
+
+def _fp8_rows(n, seed):
+    """Per-step records of an FP8 KV arm: scale 1.0 at step 0, measured scales after it."""
+    rows = _rows([0.1 + 0.01 * (i + seed) for i in range(n)], [2e-3 * seed] * n, [2.5] * n)
+    for r in rows[:n]:
+        i = r["step"]
+        scale = 1.0 if i == 0 else 0.01 * (1 + i / n) * seed
+        r.update(kl_fp8kv_k3=1e-4 * (1 + i % 2) * seed, w_frac_above_c=1e-3 * (1 + i % 3), kv_fill_max=0.3 + 0.01 * i,
+                 kv_k_scale_min=scale, kv_k_scale_max=2 * scale, kv_v_scale_min=scale / 2, kv_v_scale_max=scale)
+    return rows
+
+
+def _write_runs(root, variant, rows_of_seed, settings):
+    for seed in (1, 2):
+        folder = root / variant / f"seed{seed}"
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows_of_seed(seed)) + "\n")
+        (folder / "run.json").write_text(json.dumps({"seed": seed, "variant": variant, "settings": settings,
+                                                     "cpu": {"model": "x", "isa": "avx2"}}))
+
+
+def test_fp8_kv_statistics_by_hand():
+    s = seed_statistics(_fp8_rows(10, 1), C)
+    assert math.isclose(s["kl_fp8kv_mean"], statistics.fmean(1e-4 * (1 + i % 2) for i in range(10)))
+    assert math.isclose(s["kv_fill_max"], 0.39)
+    # step 0's initial scale 1.0 is not a measured one: the ranges start at step 1
+    assert math.isclose(s["kv_k_scale_min"], 0.011) and math.isclose(s["kv_k_scale_max"], 2 * 0.019)
+    assert math.isclose(s["kv_v_scale_min"], 0.0055) and math.isclose(s["kv_v_scale_max"], 0.019)
+    summary = variant_summary({seed: seed_statistics(_fp8_rows(10, seed), C) for seed in (1, 2)})
+    assert math.isclose(summary["kv_k_scale_min"], 0.011) and math.isclose(summary["kv_k_scale_max"], 2 * 0.038)
+    plain = seed_statistics(_rows([0.1] * 4, [1e-3] * 4, [1.0] * 4), C)
+    assert math.isnan(plain["kl_fp8kv_mean"]) and math.isnan(plain["kv_k_scale_min"])  # not logged, not invented
+
+
+def test_fp8_kv_claims_follow_the_two_standard_error_rule():
+    s = {"tis": _summary(0.60, 0.02), "tis_fp8kv": _summary(0.58, 0.02, kl_fp8kv_mean=1e-4),
+         "acr_uaq": _summary(0.60, 0.02), "acr_uaq_fp8kv": _summary(0.50, 0.02, kl_fp8kv_mean=1e-4)}
+    s["tis_fp8kv"]["kl_mean"] = 3e-3  # +1e-3 against 2 x 1.4e-4
+    v = _verdicts(s)
+    assert v["TIS holds the extra mismatch of an FP8 KV cache"] == \
+        "held within seed noise (final accuracy); KL(behav‖prox) rises beyond seed noise"
+    assert v["ACR + UAQ holds the extra mismatch of an FP8 KV cache"] == \
+        "not held (final accuracy falls beyond seed noise)"  # -0.10 against 2 x 0.028
+
+
+def test_an_added_arm_keeps_the_earlier_arms_their_figures_and_the_long_horizon(tmp_path):
+    """Runs of the FP8 KV arms alone extend the report in --out: the earlier arms keep their numbers and
+    claims, their figures are not redrawn without them, the long-horizon section stays as written."""
+    settings = {"steps": 10, "weight_bits": 5, "lr": 1e-4, "prompts_per_step": 4, "group_size": 2,
+                "mini_batches": 2, "is_cap": C}
+    for variant, offset in (("tis", 0.0), ("acr_uaq", 0.02)):
+        _write_runs(tmp_path / "runs", variant, lambda seed, o=offset: _rows(
+            [o + 0.01 * (i + seed) for i in range(10)], [1e-3 * seed] * 10, [2.5] * 10), settings)
+    long_runs = _write_long(tmp_path / "long", "tis", _rising, _improving)
+    out = tmp_path / "out"
+    main(["--runs", str(tmp_path / "runs"), "--out", str(out), "--long-runs", str(long_runs)])
+    before = json.loads((out / "results.json").read_text())
+    before_md = (out / "results.md").read_text()
+    stamps = {f: (out / f).stat().st_mtime_ns for f in before["figures"]}
+
+    for variant in ("tis_fp8kv", "acr_uaq_fp8kv"):
+        _write_runs(tmp_path / "fp8", variant, lambda seed: _fp8_rows(10, seed), settings)
+    main(["--runs", str(tmp_path / "fp8"), "--out", str(out), "--variants", "tis_fp8kv", "acr_uaq_fp8kv"])
+    after = json.loads((out / "results.json").read_text())
+    assert sorted(after["variants"]) == ["acr_uaq", "acr_uaq_fp8kv", "tis", "tis_fp8kv"]
+    assert all(after["variants"][v] == before["variants"][v] for v in ("tis", "acr_uaq"))
+    assert sorted(after["kept_arms"]) == ["acr_uaq", "tis"]
+    assert all(c in after["claims"] for c in before["claims"])
+    assert {c["claim"] for c in after["claims"]} - {c["claim"] for c in before["claims"]} == {
+        "TIS holds the extra mismatch of an FP8 KV cache", "ACR + UAQ holds the extra mismatch of an FP8 KV cache"}
+    assert after["long_horizon"] == before["long_horizon"]
+    assert after["figures"] == before["figures"] + ["fp8_kv_cache.png"] and (out / "fp8_kv_cache.png").exists()
+    assert all((out / f).stat().st_mtime_ns == t for f, t in stamps.items())
+    md = (out / "results.md").read_text()
+    long_part = before_md[before_md.index("## Long horizon"):]
+    assert md.endswith(long_part) and md.count("## Long horizon") == 1
+    fp8_table = md.split("## FP8 KV cache")[1].split("## Long horizon")[0]
+    assert [line.split(" | ")[0] for line in fp8_table.splitlines() if line.startswith("| W5A8")] == [
+        "| W5A8 + TIS", "| W5A8 + FP8 KV + TIS", "| W5A8 + ACR + UAQ", "| W5A8 + FP8 KV + ACR + UAQ"]
+    assert "kept from the earlier report" in md.splitlines()[2]
+
+    # a second pass finds the same report (the kept arms stay kept, with their CPU)
+    main(["--runs", str(tmp_path / "fp8"), "--out", str(out), "--variants", "tis_fp8kv", "acr_uaq_fp8kv"])
+    assert json.loads((out / "results.json").read_text()) == after and (out / "results.md").read_text() == md
+
+    other = tmp_path / "other"
+    _write_runs(other, "tis_fp8kv", lambda seed: _fp8_rows(12, seed), {**settings, "steps": 12})
+    with pytest.raises(SystemExit, match="other settings"):
+        main(["--runs", str(other), "--out", str(out), "--variants", "tis_fp8kv"])

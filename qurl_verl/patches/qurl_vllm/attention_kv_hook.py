@@ -10,7 +10,7 @@ hooks see ``k_proj``'s output, before RoPE and ``k_norm``; the attention kernel 
 the final tensors exist in every model and every kernel. The same place lets a reference model
 quantize-dequantize K and V as an FP8 cache does (tests, the pure-torch study).
 
-When: while a ``kv_hook(hook)`` block is active in this thread's process; outside one, the lookup
+When: while a ``kv_hook(hook)`` block is active in this process (one hook list per process); outside one, the lookup
 returns transformers' own function. Applied by the ``qurl_vllm`` adapter in the trainer process when
 ``custom.qurl.kv_cache=fp8``, and by the callers of ``kv_hook``.
 """
@@ -33,7 +33,7 @@ _active: list[KVHook] = []
 @contextmanager
 def kv_hook(hook: KVHook):
     """Within the block, every attention call of a transformers model goes through ``hook`` first
-    (the innermost block's hook wins). Applies the patch if it is not applied yet."""
+    (the innermost block's hook replaces the outer ones). Applies the patch if it is not applied yet."""
     if not apply() and not _is_applied():
         raise RuntimeError("qurl_verl: transformers' AttentionInterface.get_interface was not found; "
                            "K/V ranges cannot be observed with this transformers version")

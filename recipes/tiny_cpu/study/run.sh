@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GRPO study of QuRL's mechanisms at W{b}A8 mismatch (`make study`): SFT warm start of the tiny
-# model on chain arithmetic, then seven variants x two seeds in the pure-torch harness
-# (qurl_recipes.grpo_study), then tables, claim checks and figures in this folder.
+# model on chain arithmetic, then nine variants x two seeds in the pure-torch harness
+# (qurl_recipes.grpo_study; the last two, tis_fp8kv and acr_uaq_fp8kv, roll out through an FP8 KV
+# cache), then tables, claim checks and figures in this folder.
 #
 # Environment: OUT (default outputs/tiny_cpu_study) holds the model and runs; STEPS (default 200)
 # GRPO steps per run; WEIGHT_BITS (default 5); LR (default 1e-5); SFT_STEPS (default 900);
-# VARIANTS (default: all seven) and SEEDS (default "1 2"); JOBS (default 2) runs that many seeds side
+# VARIANTS (default: all nine) and SEEDS (default "1 2"); JOBS (default 2) runs that many seeds side
 # by side, one thread each; REPORT_ONLY=1 redraws the report from the runs under OUT; REPORT_DIR
-# (default: this folder) receives the figures and tables.
+# (default: this folder) receives the figures and tables. Arms of the report already in REPORT_DIR
+# whose runs are not under OUT are kept (same settings only), so VARIANTS="tis_fp8kv acr_uaq_fp8kv"
+# adds those arms to the committed report without rerunning the others.
 # LONG_HORIZON=1 (`make study-long`) runs the paper's horizon instead (Fig. 3): defaults OUT
 # outputs/tiny_cpu_study_long, STEPS 1000, VARIANTS "bf16 tis acr_no_uaq", and adds its "Long horizon"
 # section to the report already in REPORT_DIR, leaving the 200-step part as it is.
@@ -28,7 +31,7 @@ if [[ "$long" == 1 ]]; then
   steps="${STEPS:-1000}"
 else
   out="${OUT:-$root/outputs/tiny_cpu_study}"
-  variants="${VARIANTS:-bf16 naive tis acr_no_uaq acr_uaq acr_per_group_lr acr_per_group_lr_uaq_clip}"
+  variants="${VARIANTS:-bf16 naive tis acr_no_uaq acr_uaq acr_per_group_lr acr_per_group_lr_uaq_clip tis_fp8kv acr_uaq_fp8kv}"
   steps="${STEPS:-200}"
 fi
 seeds="${SEEDS:-1 2}"
