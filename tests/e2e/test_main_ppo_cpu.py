@@ -134,8 +134,13 @@ def test_bad_model_path_fails_in_the_driver_with_one_message(tmp_path):
 def test_int8_rollout_with_acr_and_uaq(tmp_path):
     """The README's demo: `+qurl=int8` (INT8 W8A8 rollout re-quantized every step, ACR loss, UAQ)."""
     proc, rows = run_recipe(tmp_path, 3, preset="int8")
+    assert_int8_acr_uaq_run(proc, rows, steps=3)
+
+
+def assert_int8_acr_uaq_run(proc, rows: list[dict], steps: int) -> None:
+    """What every step of a `+qurl=int8` run logs, and what it must show."""
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert len(rows) == 3
+    assert len(rows) == steps
     log = proc.stdout + proc.stderr
     assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in log
     for r in rows:
