@@ -299,6 +299,14 @@ def load_recipe(path: Path):
     return OmegaConf.merge(*parts)
 
 
+def home_relative(value):
+    """A local path under the home directory written as ``~/...``: the result files name no machine's home."""
+    home = str(Path.home())
+    if isinstance(value, str) and (value == home or value.startswith(home + os.sep)):
+        return "~" + value[len(home):]
+    return value
+
+
 def recipe_inputs(path: Path) -> dict:
     """What the roofline needs from one recipe, and which values came from verl's defaults."""
     from omegaconf import OmegaConf
@@ -312,6 +320,7 @@ def recipe_inputs(path: Path) -> dict:
                 value = VERL_DEFAULTS.get(key)
                 defaults_taken.append(f"{dotted} = {value} (verl default)")
             values[key] = value
+    values["model_path"] = home_relative(values["model_path"])
     name = OmegaConf.select(cfg, "qurl_recipe.name", default=path.stem)
     values["model"] = RECIPE_MODEL_OVERRIDES.get(name, values["model_path"])
     values["num_gpus"] = values["n_gpus_per_node"] * values["nnodes"]
