@@ -6,6 +6,7 @@
 | ``cpu_platform`` | only with ``VERL_PLATFORM=cpu`` | the plugin | ``cpu_platform.apply_all()`` |
 | ``qurl_vllm`` | only in a process that runs the ``qurl_vllm`` rollout adapter | the adapter | ``loss_metrics_channel.apply()`` |
 | ``vllm_cpu_worker`` | only inside a ``qurl_vllm`` vLLM worker on a CPU (some only on some CPUs) | the worker extension | ``before_model_load()``, ``after_reload(model)`` |
+| ``vllm_worker`` | inside every ``qurl_vllm`` vLLM worker, on every platform | the worker extension | ``vllm_worker.apply_all()`` |
 | ``install`` | once, by the install script (``python -m ...``) | the user | the module's ``--install`` |
 
 Each module declares ``PATCH = contract.Patch(...)``: the upstream ``module:qualname`` it changes,

@@ -38,14 +38,17 @@ class WeightReloadError(RuntimeError):
 
 def param_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
     """The dtype vLLM loads each parameter in, under the names the stream sends (a fused layer's
-    under each of its HF shard names too, a fused expert parameter under each expert's names).
+    under each of its HF shard names too, a fused expert parameter under each expert's names; a LoRA
+    wrapper's base layer under the names of the layer it wraps).
 
     Read right after ``initialize_layerwise_reload``: the model then holds its checkpoint-format
     parameters, the ones the loaders copy into (post-processed kernels may be stored differently)."""
     packed = getattr(model, "packed_modules_mapping", None) or {}
     dtypes: dict[str, torch.dtype] = {}
-    for name, param in model.named_parameters():
-        dtypes[name] = param.dtype
+    for wrapped_name, param in model.named_parameters():
+        dtypes[wrapped_name] = param.dtype
+        name = wrapped_name.replace(".base_layer.", ".", 1)  # a LoRA wrapper's base layer (enable_lora)
+        dtypes.setdefault(name, param.dtype)
         module, _, leaf = name.rpartition(".")
         parent, _, layer = module.rpartition(".")
         for shard in packed.get(layer, ()):

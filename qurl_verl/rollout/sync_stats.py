@@ -23,7 +23,7 @@ SUMMED_OVER_RANKS = ("rss_mb", "tracker_resident_bytes")
 # the same on every rank of an engine when its stream is whole: each rank sees every tensor
 SAME_ON_EVERY_RANK = ("sync", "format", "weight_bits", "buckets", "tensors_in", "quantized", "skipped", "bytes_in",
                       "quantized_frac", "changed_code_frac", "update_to_error_ratio", "tracker_row_stride", "checksum",
-                      "kv_scale_layers_streamed", "kv_scale_k_min", "kv_scale_k_max", "kv_scale_v_min", "kv_scale_v_max")
+                      "kv_scale_layers_streamed", "kv_scale_k_min", "kv_scale_k_max", "kv_scale_v_min", "kv_scale_v_max", "base_frozen")
 
 
 @dataclass
@@ -56,6 +56,9 @@ class SyncStats:
     kv_scale_k_max: float | None = None
     kv_scale_v_min: float | None = None
     kv_scale_v_max: float | None = None
+    # LoRA adapter mode: 1 for a sync that carried only the adapters (the 8-bit base, quantized at the
+    # first sync, did not change; the code-change tracker is off)
+    base_frozen: int = 0
 
     def as_dict(self) -> dict:
         """What ``qurl_last_sync`` returns to the trainer: one flat dict, ``stream`` spread in place."""

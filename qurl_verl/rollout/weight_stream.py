@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -87,6 +87,19 @@ class StreamStats:
         """Share of the loaded weight elements sent as 8-bit codes: what the rollout runs quantized
         (with an MoE model's experts in bf16, a small share); None before any element arrived."""
         return self.quantized_numel / self.numel_in if self.numel_in else None
+
+    def add_checksum(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Order-free: buckets may be cut differently; each tensor weighted by its name."""
+        for name, t in named_tensors:
+            self.checksum = (self.checksum + (zlib.crc32(name.encode()) + 1) * tensor_checksum(t)) % CHECKSUM_MODULUS
+
+    def count_loaded_as_is(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Tensors the engine takes as they arrive (a LoRA adapter, through vLLM's ``add_lora``)."""
+        self.tensors_in += len(named_tensors)
+        self.passed_through += len(named_tensors)
+        self.bytes_in += sum(t.numel() * t.element_size() for _, t in named_tensors)
+        self.numel_in += sum(t.numel() for _, t in named_tensors)
+        self.add_checksum(named_tensors)
 
     def report(self) -> dict[str, int | float | None]:
         """The counters a sync reports (``worker_extension.SyncStats``), flat, with ``quantized_frac``."""
@@ -153,8 +166,7 @@ class WeightStreamQuantizer:
         self.stats.bytes_in += sum(t.numel() * t.element_size() for _, t in received)
         self.stats.numel_in += sum(t.numel() for _, t in bucket)
         self.stats.quantized_numel += sum(t.numel() for _, t in targets)
-        for name, t in out:  # order-free: buckets may be cut differently; each tensor weighted by its name
-            self.stats.checksum = (self.stats.checksum + (zlib.crc32(name.encode()) + 1) * tensor_checksum(t)) % CHECKSUM_MODULUS
+        self.stats.add_checksum(out)
         return out
 
     def _observe(self, targets, quantized) -> None:

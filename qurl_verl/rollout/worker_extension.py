@@ -38,11 +38,12 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from verl.workers.rollout.vllm_rollout.weight_update_utils import apply_buffer_updates
 
+from qurl_verl.patches import vllm_worker as vllm_worker_patches
 from qurl_verl.patches.vllm_cpu_worker import after_reload, before_model_load, vllm_cpu_tied_lm_head_refresh
 from qurl_verl.quant import UpdateVisibilityTracker
 from qurl_verl.quant.kv_cache import parse_kv_scale_name
 from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
-from qurl_verl.rollout import int8_gemm_report, layerwise_reload
+from qurl_verl.rollout import int8_gemm_report, layerwise_reload, vllm_versions
 from qurl_verl.rollout.layerwise_reload import WeightReloadError
 from qurl_verl.rollout.sync_stats import SyncStats
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
@@ -57,6 +58,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
     def __new__(cls, **kwargs):
         instance = super().__new__(cls, **kwargs)
+        vllm_worker_patches.apply_all()
         cls._install_cpu_patches()
         instance._qurl_syncs = 0
         instance._qurl_last_sync = None
@@ -89,20 +91,45 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         from verl.utils.device import get_device_name
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
-        if peft_config:
-            raise NotImplementedError(
-                "qurl_vllm syncs full weights only; LoRA adapters are not supported "
-                "(set actor_rollout_ref.model.lora.merge=True to sync merged weights)"
-            )
+        if peft_config and base_sync_done:
+            return self.qurl_sync_adapters(peft_config, use_shm)
         if self.device is None:
             self.device = torch.device(f"{get_device_name()}:{self.local_rank}")
         receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=self.device, use_shm=use_shm)
         if self._qurl_broken:  # drained all the same, for the trainer's sender to finish (see _receive)
             receiver.receive_weights(on_bucket_received=lambda weights, is_last: None)
             self._raise_if_broken()
+        if peft_config:  # LoRA's base, once: the adapters follow at every sync (qurl_sync_adapters)
+            code_change_row_stride = 0
         with self.qurl_weight_reload(code_change_row_stride, code_change_max_bytes, weight_bits) as load_bucket:
             _receive(receiver, load_bucket)
         return self.qurl_last_sync()
+
+    def qurl_sync_adapters(self, peft_config: dict, use_shm: bool) -> dict:
+        """A LoRA sync after the base's: verl's own path (remove the adapter, receive the new one whole,
+        ``add_lora``) in the rollout dtype; vLLM's LoRA layers add it to the 8-bit base's output. The
+        base is not touched, so the code-change tracker has nothing to see: the stats say so
+        (``base_frozen``) and carry no update rates."""
+        self._raise_if_broken()
+        start = time.perf_counter()
+        stats = SyncStats(sync=self._qurl_syncs + 1, format=self.qurl_settings().format.value, base_frozen=1)
+        self._qurl_adapter_stream = stats.stream
+        try:
+            super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=True, use_shm=use_shm)
+        finally:
+            self._qurl_adapter_stream = None
+        stats.total_s = stats.load_s = time.perf_counter() - start
+        stats.buckets = 1
+        stats.rss_mb = psutil.Process().memory_info().rss / 2**20
+        self._record(stats)
+        return self.qurl_last_sync()
+
+    def _update_weights(self, weights, peft_config, base_sync_done):
+        """verl's loader, called here for the adapters only; counts what ``add_lora`` gets."""
+        stream = getattr(self, "_qurl_adapter_stream", None)
+        if stream is not None:
+            stream.count_loaded_as_is(list(weights))
+        return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
 
     def qurl_last_sync(self) -> dict | None:
         return self._qurl_last_sync.as_dict() if self._qurl_last_sync is not None else None
@@ -232,6 +259,7 @@ class WeightSync:
         self.stats = SyncStats(sync=number, format=settings.format.value, weight_bits=settings.weight_bits,
                                stream=self.stream.stats)
         self.buffer_names = {name for name, _ in self.model.named_buffers()}
+        self.loader_name = vllm_versions.lora_base_layer_renamer(self.model)  # the identity without LoRA
         self.buffer_updates: list[tuple[str, torch.Tensor]] = []
 
     def start_reload(self, param_dtypes: Callable[[torch.nn.Module], dict[str, torch.dtype]]) -> None:
@@ -255,7 +283,7 @@ class WeightSync:
                 self.kv_scales[kv] = float(tensor)
         tensors = self.stream.transform(weights)
         self.buffer_updates.extend((n, t) for n, t in tensors if n in self.buffer_names)
-        params = [(n, t) for n, t in tensors if n not in self.buffer_names]
+        params = [(self.loader_name(n), t) for n, t in tensors if n not in self.buffer_names]
         start = time.perf_counter()
         if params:
             self.model.load_weights(params)

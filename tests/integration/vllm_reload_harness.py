@@ -42,7 +42,7 @@ def engine_env() -> dict[str, str]:
 
 WEIGHT_GAIN = 4.0  # tiny-model init std 0.02 -> 0.08: logits spread over several nats
 BUCKET_MB = 1  # the tiny model streams as several buckets, so some layers span two
-SYNC_TIMEOUT_S = 900  # a sync whose sender failed (a tensor larger than the bucket) ends here, not never
+SYNC_TIMEOUT_S = int(os.environ.get("QURL_TEST_SYNC_TIMEOUT_S", 900))  # a sync whose sender failed (a tensor larger than the bucket) ends here, not never
 
 
 def require_vllm():
@@ -109,12 +109,13 @@ class TrainerWeights:
 
 
 def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row_stride: int = 8,
-                 weight_bits: int = 8, ranks: int = 1) -> list:
+                 weight_bits: int = 8, ranks: int = 1, **rpc_kwargs) -> list:
     """One verl-style weight sync: verl's BucketedWeightSender here, the worker's receiver there
     (called with the keywords QurlServerAdapter adds). With ``ranks`` > 1 (a TP engine) every rank
     gets the full tensors from a sender of its own, as each colocated trainer rank sends them.
     ``named_tensors``: (name, tensor) pairs, or a callable that returns a fresh iterator of them for
-    each rank (a stream made on the fly, never held whole)."""
+    each rank (a stream made on the fly, never held whole). ``rpc_kwargs``: verl's LoRA keywords
+    (``peft_config``, ``base_sync_done``)."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
     if callable(named_tensors):
@@ -137,7 +138,7 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
         thread.start()
     rpc_error = None
     try:
-        kwargs = {"use_shm": True, "code_change_row_stride": code_change_row_stride}
+        kwargs = {"use_shm": True, "code_change_row_stride": code_change_row_stride, **rpc_kwargs}
         if weight_bits != 8:
             kwargs["weight_bits"] = weight_bits
         results = llm.collective_rpc("update_weights_from_ipc", timeout=SYNC_TIMEOUT_S, kwargs=kwargs)

@@ -19,6 +19,7 @@ BEFORE_MODEL_LOAD = (
     "vllm_cpu_int8_saturation",
     "vllm_cpu_int8_fp32_onednn",
     "vllm_cpu_moe_silu",
+    "vllm_cpu_lora_device",
 )
 AFTER_RELOAD = (
     "vllm_cpu_tied_lm_head_refresh",
