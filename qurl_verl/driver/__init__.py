@@ -23,6 +23,8 @@ def on_validate_config(cfg: Any, log=print, host: Host | None = None) -> QurlSet
     if not uses_qurl(cfg):
         return None
     settings = check_config(cfg, log=log, host=host)
+    if settings.uaq_skipped:
+        log(settings.uaq_skipped)
     prepare_config(cfg, settings.uaq, log=log)
     return settings
 

@@ -30,7 +30,7 @@ from qurl_verl.driver.trainer_checks import (
     check_actor_strategy,
     check_gpu_attention,
     check_kv_cache_setting,
-    check_lora_merged,
+    check_lora_adapters,
     trains_fsdp_on_gpu,
 )
 from qurl_verl.driver.uaq_checks import SHARED_STORAGE_FIX, check_resumed_uaq, check_uaq_storage
@@ -235,8 +235,8 @@ CHECKS = (
     # qurl_vllm: the weights it receives, the model it quantizes, the engine that runs it
     Check("an FSDP actor feeds the weight stream", _qurl_vllm,
           lambda r: check_actor_strategy(select(r.cfg, ACTOR_STRATEGY_KEY)), f"set {ACTOR_STRATEGY_KEY}=fsdp2"),
-    Check("LoRA adapters reach the 8-bit rollout merged", _qurl_vllm,
-          lambda r: check_lora_merged(r.cfg), f"Set {LORA_MERGE_KEY}=true"),
+    Check("LoRA adapters travel apart from the base only where the sync carries them", _qurl_vllm,
+          lambda r: check_lora_adapters(r.cfg, r.rollout), f"Set {LORA_MERGE_KEY}=true"),
     Check("the architecture is one the weight stream maps", lambda r: _qurl_vllm(r) and r.model.architectures is not None,
           lambda r: check_architecture(r.model.architectures, model=str(select(r.cfg, MODEL_PATH_KEY))),
           f"Use {ROLLOUT_NAME_KEY}=vllm"),

@@ -1,5 +1,5 @@
 """The trainer side of a qurl run: the attention the FSDP actor and the critic load with on GPUs, the
-actor strategy that can feed the ``qurl_vllm`` weight stream, how LoRA adapters reach it, and where
+actor strategy that can feed the ``qurl_vllm`` weight stream, what LoRA adapters can run with, and where
 the FP8 KV cache's scales come from."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from qurl_verl.settings import (
     KVCacheFormat,
     QurlConfigError,
     RolloutSettings,
+    lora_adapter_rank,
     select,
     show,
 )
@@ -100,21 +101,27 @@ def check_actor_strategy(strategy: Any) -> None:
         )
 
 
-def lora_rank(cfg: Any) -> int:
-    return int(select(cfg, LORA_RANK_KEY, 0) or 0)
-
-
-def check_lora_merged(cfg: Any) -> None:
-    """verl syncs LoRA adapters apart from the base unless ``lora.merge``; ``qurl_vllm`` re-quantizes full
-    weights at every sync and does not serve adapters over an 8-bit base, so the adapters must come merged."""
-    rank = lora_rank(cfg)
-    if rank > 0 and not select(cfg, LORA_MERGE_KEY, False):
+def check_lora_adapters(cfg: Any, rollout: RolloutSettings) -> None:
+    """LoRA adapters synced apart from the base (verl's default, ``lora.merge=false``): the base goes to the
+    engine once, through the qurl weight stream, the adapters at every sync through vLLM's ``add_lora``,
+    which carries nothing else: not the FP8 KV cache's scales, and only over the colocated sync, where
+    verl sends base and adapters apart (other backends send neither apart)."""
+    rank = lora_adapter_rank(cfg)
+    if not rank:
+        return
+    if rollout.kv_cache is KVCacheFormat.FP8:
         raise QurlConfigError(
-            f"{LORA_RANK_KEY}={rank} with {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: verl would sync the LoRA adapters apart "
-            "from the base model, and qurl_vllm does not serve adapters over an 8-bit base (it re-quantizes full "
-            f"weights at every sync). Set {LORA_MERGE_KEY}=true: verl then merges the adapters into the weights it "
-            "syncs and qurl_vllm quantizes W + BA every step, as in full fine-tuning. Or keep the adapters with "
-            f"{ROLLOUT_NAME_KEY}=vllm (bf16 rollout)."
+            f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 with LoRA adapters ({LORA_RANK_KEY}={rank}): the K/V scales travel "
+            "with the weight stream, and in adapter mode the stream after the first step is the adapters, which vLLM "
+            f"loads through add_lora. Set {LORA_MERGE_KEY}=true (merged weights, re-quantized every step), or "
+            f"remove {ROLLOUT_CUSTOM_KEY}.kv_cache"
+        )
+    backend = select(cfg, CHECKPOINT_ENGINE_KEY)
+    if backend not in COLOCATED_SYNC_BACKENDS:
+        raise QurlConfigError(
+            f"LoRA adapters ({LORA_RANK_KEY}={rank}) with {CHECKPOINT_ENGINE_KEY}={show(backend)}: verl sends the base "
+            "and the adapters apart only in the colocated sync; this backend would stream the base alone and the "
+            f"adapters never. Set {CHECKPOINT_ENGINE_KEY}=naive, or {LORA_MERGE_KEY}=true"
         )
 
 

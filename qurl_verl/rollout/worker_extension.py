@@ -101,6 +101,8 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
             self._raise_if_broken()
         if peft_config:  # LoRA's base, once: the adapters follow at every sync (qurl_sync_adapters)
             code_change_row_stride = 0
+            logger.warning("qurl_vllm: LoRA adapters: the base is quantized once, now; later syncs carry the "
+                           "adapters only (full precision), and the code-change tracker is off (pid %d)", os.getpid())
         with self.qurl_weight_reload(code_change_row_stride, code_change_max_bytes, weight_bits) as load_bucket:
             _receive(receiver, load_bucket)
         return self.qurl_last_sync()

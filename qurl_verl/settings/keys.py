@@ -28,6 +28,7 @@ ATTN_IMPLEMENTATION_KEY = "actor_rollout_ref.model.override_config.attn_implemen
 ROLLOUT_PARALLEL_KEYS = tuple(f"{ROLLOUT_KEY}.{k}_parallel_size" for k in ("tensor_model", "data", "pipeline_model"))
 # verl's FSDP LoRA: adapters of this rank (0 = off); merge=True syncs W + BA instead of the adapters
 LORA_RANK_KEY = "actor_rollout_ref.model.lora_rank"
+LORA_NESTED_RANK_KEY = "actor_rollout_ref.model.lora.rank"  # verl reads it first when > 0
 LORA_MERGE_KEY = "actor_rollout_ref.model.lora.merge"
 NNODES_KEY = "trainer.nnodes"
 GPUS_PER_NODE_KEY = "trainer.n_gpus_per_node"

@@ -154,9 +154,10 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
 
 
 def start_engine(model_dir: Path, settings, dtype: str,
-                 extension: str = "qurl_verl.rollout.worker_extension.QurlWorkerExtension", tensor_parallel_size: int = 1):
+                 extension: str = "qurl_verl.rollout.worker_extension.QurlWorkerExtension", tensor_parallel_size: int = 1,
+                 **engine_args):
     """An engine built the way QurlvLLMHttpServer builds it: dummy weights, our quantization, the KV
-    cache format of ``settings.kv_cache``."""
+    cache format of ``settings.kv_cache``; ``engine_args`` as verl adds them (its LoRA arguments)."""
     from vllm import LLM
 
     quantization, hf_overrides = settings.engine_quantization()
@@ -175,6 +176,7 @@ def start_engine(model_dir: Path, settings, dtype: str,
         tensor_parallel_size=tensor_parallel_size,
         distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
         kv_cache_dtype=settings.kv_cache.engine_dtype,
+        **engine_args,
     )
 
 
@@ -195,10 +197,10 @@ def prompt_ids(model_dir: Path) -> list[list[int]]:
     return [tok(p)["input_ids"] for p in PROMPTS]
 
 
-def engine_logprobs(llm, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 1.0):
+def engine_logprobs(llm, prompts: list[list[int]], max_tokens: int = 16, temperature: float = 1.0, lora_request=None):
     """Sampled continuations (fixed seeds) with the engine's per-token log-probs, as verl requests
     them (``logprobs=0``; ``logprobs_mode=processed_logprobs``: after temperature), plus the prompt
-    tokens' log-probs (computed from the raw logits)."""
+    tokens' log-probs (computed from the raw logits). ``lora_request``: generate with that adapter."""
     from vllm import SamplingParams
 
     params = [
@@ -206,7 +208,7 @@ def engine_logprobs(llm, prompts: list[list[int]], max_tokens: int = 16, tempera
                        ignore_eos=True)
         for i in range(len(prompts))
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora_request)
     seqs, lps = [], []
     for prompt, out in zip(prompts, outs):
         gen = out.outputs[0]

@@ -215,17 +215,54 @@ def test_cpu_platform_refuses_more_rollout_ranks_than_cpus_before_ray_starts(tin
     qc.check_config(compose_ppo_config(tp4), host=two_cpus)
 
 
-def test_lora_adapters_must_reach_qurl_vllm_merged(tiny_model, monkeypatch):
-    """verl syncs unmerged adapters apart from the base (the qurl_vllm worker would refuse them at the first
-    sync, minutes in): the driver refuses first and names lora.merge; merged, the config passes."""
+def _host_with(**probed):
+    from qurl_verl.platform.host import Host
+
+    return Host(**{**Host.probe().__dict__, **probed})
+
+
+def test_lora_adapters_pass_and_what_they_cannot_carry_is_refused_in_the_driver(tiny_model, monkeypatch):
+    """Unmerged adapters (verl's default) run on qurl_vllm: the config passes, with ``model.lora_rank`` or
+    verl's nested ``model.lora.rank``. Refused before Ray starts, naming the fix: the FP8 KV cache (its
+    scales ride the weight stream, which after step 1 is the adapters) and a non-colocated checkpoint
+    engine (verl sends base and adapters apart only in the colocated sync). Merged adapters pass both
+    ways: a full-weight stream. Stock verl's rollout with adapters is not ours to refuse."""
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
     qurl = [o.replace("rollout.name=vllm", "rollout.name=qurl_vllm") for o in CPU_OK]
-    lora = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8"]
-    with pytest.raises(QurlConfigError, match=r"lora_rank=8 .* Set actor_rollout_ref.model.lora.merge=true"):
-        qc.check_config(compose_ppo_config(lora))
-    qc.check_config(compose_ppo_config([*lora, "actor_rollout_ref.model.lora.merge=true"]))
+    for rank_key in ("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora.rank"):
+        lora = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", f"{rank_key}=8"]
+        assert qc.check_config(compose_ppo_config(lora)).rollout is not None
+        fp8_kv = [*lora, "+actor_rollout_ref.rollout.custom.qurl.kv_cache=fp8"]
+        with pytest.raises(QurlConfigError, match=r"kv_cache=fp8 with LoRA adapters .* Set actor_rollout_ref.model.lora.merge=true"):
+            qc.check_config(compose_ppo_config(fp8_kv), host=_host_with(avx512=True))
+        qc.check_config(compose_ppo_config([*fp8_kv, "actor_rollout_ref.model.lora.merge=true"]), host=_host_with(avx512=True))
+        nccl = [*lora, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"]
+        with pytest.raises(QurlConfigError, match=r"checkpoint_engine.backend='?nccl'?.* Set actor_rollout_ref.rollout.checkpoint_engine.backend=naive"):
+            qc.check_config(compose_ppo_config(nccl))
+        qc.check_config(compose_ppo_config([*nccl, "actor_rollout_ref.model.lora.merge=true"]))
     stock = [*CPU_OK, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8"]
-    qc.check_config(compose_ppo_config(stock))  # verl's own rollout serves adapters: not ours to refuse
+    qc.check_config(compose_ppo_config(stock))
+
+
+def test_uaq_is_skipped_with_lora_adapters_and_said_why(tiny_model, monkeypatch, tmp_path):
+    """``+qurl=int8`` enables UAQ; with unmerged adapters the base never changes, so the driver turns UAQ off
+    (the checkpoint is not converted, the actor's path is untouched) and says why; merged adapters keep it
+    (W + BA is re-quantized every step)."""
+    from qurl_verl.driver import on_validate_config
+    from qurl_verl.settings import UAQ_SKIPPED_WITH_LORA_ADAPTERS
+
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    monkeypatch.setenv("QURL_CACHE_DIR", str(tmp_path))
+    qurl = [o.replace("rollout.name=vllm", "rollout.name=qurl_vllm") for o in CPU_OK]
+    lora = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8", "+qurl.uaq.enable=true"]
+    cfg, said = compose_ppo_config(lora), []
+    settings = on_validate_config(cfg, log=said.append)
+    assert settings.uaq.enable is False and settings.uaq_skipped == UAQ_SKIPPED_WITH_LORA_ADAPTERS
+    assert UAQ_SKIPPED_WITH_LORA_ADAPTERS in said and cfg.actor_rollout_ref.model.path == str(tiny_model)
+    cfg, said = compose_ppo_config([*lora, "actor_rollout_ref.model.lora.merge=true"]), []
+    settings = on_validate_config(cfg, log=said.append)
+    assert settings.uaq.enable is True and settings.uaq_skipped is None
+    assert cfg.actor_rollout_ref.model.path != str(tiny_model)  # pointed at the converted copy
 
 
 def test_fp8_kv_cache_is_refused_in_the_driver_where_it_cannot_run(tiny_model, monkeypatch):

@@ -1,0 +1,128 @@
+"""qurl_vllm with LoRA adapters (verl's default, ``lora.merge=false``): an INT8 base synced once, rank-8
+adapters that change at every sync, served by vLLM's LoRA layers over the INT8 linears.
+
+One live engine (fp32, ``enable_lora`` with verl's arguments), synced as verl syncs it: sync 1 the base
+(``peft_config`` with ``base_sync_done=False``: the qurl stream quantizes it), syncs 2-4 the adapters
+(``base_sync_done=True``: verl's ``add_lora`` path), as peft names them and as verl sends its config.
+
+* every adapter sync: the engine's log-probs with the adapter track a torch reference (the W8A8 base
+  quantized from the same fp32 masters, plus ``alpha / r * B A x`` in fp32 on each targeted linear), and
+  not the reference with the previous sync's adapters;
+* without the adapter the engine still tracks the W8A8 base alone after the adapter syncs: the base did
+  not change, as the stats say (``base_frozen``, no quantized tensor, no code-change rates).
+
+Tolerance of engine vs reference (per-token |log-prob difference|), the bounds of the INT8 engine tests:
+median <= 1e-5, p75 <= 1e-3, max <= 0.1 (float32 rounding; an INT8 activation that vLLM and the reference
+round to neighbouring codes moves the rest of its sequence by 1e-4..1e-2). Successive adapters move the
+log-probs by about 1e-1: the check against the previous adapters can fail.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm_reload_harness import (
+    TrainerWeights,
+    abs_diffs,
+    engine_logprobs,
+    prompt_ids,
+    reference_logprobs,
+    reference_model,
+    require_vllm,
+    start_engine,
+    stop_engine,
+    summary,
+    sync_weights,
+)
+
+from qurl_verl.settings import RolloutSettings
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
+
+INT8 = RolloutSettings(format="int8")
+RANK, ALPHA = 8, 16
+LINEARS = 14  # 7 projections x 2 layers, each quantized once and each carrying an adapter
+
+
+@pytest.fixture(scope="module")
+def lora_engine(tiny_model_dir, engine_environment):
+    require_vllm()
+    from verl.workers.rollout.vllm_rollout.utils import get_vllm_max_lora_rank
+
+    # what verl's vLLM server adds for lora_rank > 0 without merge (vllm_async_server.py)
+    llm = start_engine(tiny_model_dir, INT8, dtype="float32", enable_lora=True, max_loras=1,
+                       max_lora_rank=get_vllm_max_lora_rank(RANK))
+    yield llm
+    stop_engine(llm)
+
+
+def peft_adapters(model_dir, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Rank-8 adapters on every linear, as verl's FSDP engine sends them (peft's state-dict names, the
+    config's ``to_dict()``), with A and B both random (peft starts B at zero, which a test cannot see)."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0))
+    gen = torch.Generator().manual_seed(seed)
+    names = get_peft_model_state_dict(model)
+    return ({n: 0.1 * torch.randn(t.shape, generator=gen) for n, t in names.items()},
+            model.peft_config["default"].to_dict())
+
+
+def with_adapters(model: torch.nn.Module, adapters: dict[str, torch.Tensor]):
+    """Forward hooks adding ``alpha / r * B (A x)`` (fp32) to each targeted linear's output; returns the handles."""
+    handles = []
+    for name, module in model.named_modules():
+        a = adapters.get(f"base_model.model.{name}.lora_A.weight")
+        if a is None:
+            continue
+        b = adapters[f"base_model.model.{name}.lora_B.weight"]
+
+        def add(mod, inputs, out, a=a, b=b):
+            return out + (ALPHA / RANK) * torch.nn.functional.linear(torch.nn.functional.linear(inputs[0], a), b)
+
+        handles.append(module.register_forward_hook(add))
+    assert len(handles) == LINEARS
+    return handles
+
+
+def reference_with(model, seqs, adapters):
+    handles = with_adapters(model, adapters) if adapters is not None else []
+    try:
+        return reference_logprobs(model, seqs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(lora_engine, tiny_model_dir):
+    from vllm.lora.request import LoRARequest
+    from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, VLLM_LORA_PATH
+
+    adapter = LoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH)
+    trainer = TrainerWeights(tiny_model_dir)
+    _, peft_config = peft_adapters(tiny_model_dir, seed=0)
+    prompts = prompt_ids(tiny_model_dir)
+
+    (base,) = sync_weights(lora_engine, trainer.named_tensors(), peft_config=peft_config, base_sync_done=False)
+    assert base["quantized"] == LINEARS and base["base_frozen"] == 0
+    assert base["tracker_row_stride"] == 0  # the code-change tracker is off: the base never changes again
+    reference = reference_model(tiny_model_dir, trainer.master, INT8, torch.float32)
+
+    previous = None
+    for sync, seed in ((2, 1), (3, 2), (4, 3)):
+        adapters, _ = peft_adapters(tiny_model_dir, seed)
+        (stats,) = sync_weights(lora_engine, adapters.items(), peft_config=peft_config, base_sync_done=True)
+        assert stats["sync"] == sync and stats["base_frozen"] == 1 and stats["quantized"] == 0
+        assert stats["tensors_in"] == 2 * LINEARS and stats["changed_code_frac"] is None
+        seqs, lps = engine_logprobs(lora_engine, prompts, lora_request=adapter)
+        d = summary(abs_diffs(lps, reference_with(reference, seqs, adapters)))
+        assert d["median"] <= 1e-5 and d["p75"] <= 1e-3 and d["max"] <= 0.1, (sync, d)
+        if previous is not None:
+            stale = summary(abs_diffs(lps, reference_with(reference, seqs, previous)))
+            assert stale["median"] > 1e-4, (sync, stale)  # the engine serves this sync's adapters
+        previous = adapters
+
+    seqs, lps = engine_logprobs(lora_engine, prompts)  # no adapter: the 8-bit base as synced at sync 1
+    d = summary(abs_diffs(lps, reference_with(reference, seqs, None)))
+    assert d["median"] <= 1e-5 and d["p75"] <= 1e-3 and d["max"] <= 0.1, d
