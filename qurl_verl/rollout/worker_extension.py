@@ -52,6 +52,11 @@ from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES, tied_output_embedding
 
 logger = logging.getLogger("qurl_verl")
 
+# verl names a LoRA run's base weights ``<layer>.base_layer.<tensor>`` (``replace_lora_wrapper``, every
+# q/k/v/o/gate/up/down projection whether or not an adapter targets it); the stream quantizes and
+# tracks them under the checkpoint's names, and ``WeightSync.loader_name`` gives the loader its own
+LORA_BASE_LAYER = ".base_layer."
+
 
 class QurlWorkerExtension(vLLMColocateWorkerExtension):
     """verl's colocated worker extension, with weight syncs going through layerwise reload."""
@@ -280,7 +285,7 @@ class WeightSync:
         for name, tensor in named_tensors:
             kv = parse_kv_scale_name(name)
             if kv is None:
-                weights.append((name, tensor))
+                weights.append((name.replace(LORA_BASE_LAYER, ".", 1), tensor))
             else:
                 self.kv_scales[kv] = float(tensor)
         tensors = self.stream.transform(weights)

@@ -55,14 +55,28 @@ def lora_engine(tiny_model_dir, engine_environment):
     stop_engine(llm)
 
 
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0)
+
+
+def base_as_verl_sends_it(trainer: TrainerWeights):
+    """The base weights under the names verl's FSDP engine gives them in a LoRA run (``replace_lora_wrapper``:
+    ``<projection>.base_layer.weight``)."""
+    from verl.utils.fsdp_utils import replace_lora_wrapper
+
+    config = lora_config()
+    return [(replace_lora_wrapper(name, config), tensor) for name, tensor in trainer.named_tensors()]
+
+
 def peft_adapters(model_dir, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
     """Rank-8 adapters on every linear, as verl's FSDP engine sends them (peft's state-dict names, the
     config's ``to_dict()``), with A and B both random (peft starts B at zero, which a test cannot see)."""
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                           LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora_dropout=0.0))
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora_config())
     gen = torch.Generator().manual_seed(seed)
     names = get_peft_model_state_dict(model)
     return ({n: 0.1 * torch.randn(t.shape, generator=gen) for n, t in names.items()},
@@ -104,7 +118,9 @@ def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(l
     _, peft_config = peft_adapters(tiny_model_dir, seed=0)
     prompts = prompt_ids(tiny_model_dir)
 
-    (base,) = sync_weights(lora_engine, trainer.named_tensors(), peft_config=peft_config, base_sync_done=False)
+    sent = base_as_verl_sends_it(trainer)
+    assert sum(name.endswith(".base_layer.weight") for name, _ in sent) == LINEARS
+    (base,) = sync_weights(lora_engine, sent, peft_config=peft_config, base_sync_done=False)
     assert base["quantized"] == LINEARS and base["base_frozen"] == 0
     assert base["tracker_row_stride"] == 0  # the code-change tracker is off: the base never changes again
     reference = reference_model(tiny_model_dir, trainer.master, INT8, torch.float32)
