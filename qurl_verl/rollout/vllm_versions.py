@@ -134,7 +134,7 @@ def lora_base_layer_renamer(model: torch.nn.Module):
     def rename(name: str) -> str:
         module, _, leaf = name.rpartition(".")
         parent, _, layer = module.rpartition(".")
-        fused = f"{parent}.{owner[layer]}" if layer in owner else module
+        fused = ".".join(filter(None, (parent, owner[layer]))) if layer in owner else module
         return f"{module}.base_layer.{leaf}" if module in wrapped or fused in wrapped else name
 
     return rename

@@ -110,8 +110,8 @@ def reference_with(model, seqs, adapters):
 
 
 def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(lora_engine, tiny_model_dir):
-    from vllm.lora.request import LoRARequest
     from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, VLLM_LORA_PATH
+    from vllm.lora.request import LoRARequest
 
     adapter = LoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH)
     trainer = TrainerWeights(tiny_model_dir)
