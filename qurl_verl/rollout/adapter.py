@@ -15,6 +15,8 @@ quantizes them (see ``weight_stream``). This subclass only
   (``qurl_verl.quant.kv_cache``), from the ranges the actor's training forwards saw since the last sync
   (``patches.qurl_vllm.actor_kv_ranges``, same on every rank); a sync with no forward since resends the
   last scales, and the first sync of a run sends none (the engine keeps vLLM's 1.0);
+* with LoRA adapters (verl's default), reports step 1's two syncs (the base, quantized once, then the
+  adapters) as one (``combine_syncs``), and each later step's adapter sync as is (``base_frozen=1``);
 * refuses the delta wire format, which only patches changed bf16 values in place.
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 from qurl_verl.patches import qurl_vllm as qurl_vllm_patches
 from qurl_verl.patches.qurl_vllm import actor_kv_ranges, loss_metrics_channel
 from qurl_verl.quant.kv_cache import kv_scales
-from qurl_verl.rollout.sync_stats import combine_ranks
+from qurl_verl.rollout.sync_stats import combine_ranks, combine_syncs
 from qurl_verl.settings import RolloutSettings
 
 logger = logging.getLogger("qurl_verl")
@@ -39,6 +41,7 @@ class QurlServerAdapter(ServerAdapter):
     last_sync_stats: dict | None = None
     _sync_future = None
     _kv_scales: dict | None = None  # the FP8 KV cache's scales last sent, {stream name: tensor}
+    _lora_base_sync: dict | None = None  # a LoRA run's base sync, reported with the adapter sync that follows it
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -57,6 +60,7 @@ class QurlServerAdapter(ServerAdapter):
                 "(checkpoint_engine.backend=delta_sharded) is not supported"
             )
         self._sync_future = None
+        lora_base = bool(kwargs.get("peft_config")) and not kwargs.get("base_sync_done", True)
         settings = RolloutSettings.from_rollout_config(self.config)
         if settings.kv_cache.quantized:
             weights = itertools.chain(weights, self.next_kv_scales().items())
@@ -67,8 +71,14 @@ class QurlServerAdapter(ServerAdapter):
         )
         if self._sync_future is not None:
             per_worker = await self._sync_future
-            self.last_sync_stats = combine_ranks(per_worker or ())
-            logger.info("qurl_vllm sync (step %s): %s", global_steps, self.last_sync_stats)
+            stats = combine_ranks(per_worker or ())
+            logger.info("qurl_vllm sync (step %s%s): %s", global_steps, ", LoRA base" if lora_base else "", stats)
+            if lora_base:  # the adapters follow in this step: one report for both
+                self._lora_base_sync = stats
+                return
+            if self._lora_base_sync is not None and stats is not None:
+                stats, self._lora_base_sync = combine_syncs(self._lora_base_sync, stats), None
+            self.last_sync_stats = stats
             loss_metrics_channel.publish(self.sync_metrics(), replace_prefix="qurl/sync/")
             update = self.update_metrics()
             if update:

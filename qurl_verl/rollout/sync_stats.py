@@ -90,3 +90,24 @@ def combine_ranks(per_rank: Sequence[dict | None]) -> dict | None:
             logger.warning("qurl_vllm sync: ranks disagree on %s: %s", key, values)
     out["ranks"] = len(rows)
     return out
+
+
+# what a step that synced twice paid in all (a LoRA run's step 1: the base, then the adapters)
+ADDED_OVER_SYNCS = ("total_s", "quantize_s", "copy_s", "code_change_s", "load_s", "finalize_s", "buckets",
+                    "tensors_in", "quantized", "skipped", "bytes_in")
+
+
+def combine_syncs(first: dict, then: dict) -> dict:
+    """One step's report from two syncs in a row (``combine_ranks`` rows; a LoRA run's step 1: the base,
+    then the adapters): costs and counts added, the checksum of everything loaded (the stream's checksum
+    is an order-free sum), the share sent in 8 bits and ``base_frozen`` (0: the base changed) from the
+    first, the rest from the later one."""
+    from qurl_verl.rollout.weight_stream import CHECKSUM_MODULUS
+
+    out = dict(then)
+    for key in ADDED_OVER_SYNCS:
+        out[key] = (first.get(key) or 0) + (then.get(key) or 0)
+    out["checksum"] = ((first.get("checksum") or 0) + (then.get("checksum") or 0)) % CHECKSUM_MODULUS
+    out["quantized_frac"] = first.get("quantized_frac")
+    out["base_frozen"] = min(first.get("base_frozen", 0), then.get("base_frozen", 0))
+    return out

@@ -1,7 +1,7 @@
 """LoRA RL with `+qurl=int8`, through verl's own main_ppo on CPU (harness of test_main_ppo_cpu.py).
 
 * adapters (verl's default, ``lora.merge=false``): the base goes to the engine once, quantized by the
-  qurl stream at step 1; every step then syncs only the rank-8 adapters, which vLLM's LoRA layers add
+  qurl stream at step 1 (that step's row reports both syncs); every later step syncs only the rank-8 adapters, which vLLM's LoRA layers add
   to the INT8 linears' output in full precision. The mismatch metrics work as with full fine-tuning
   (an INT8 base plus the adapters against the trainer's full-precision base plus the same adapters);
   the sync stats say the base is frozen; UAQ, which the preset enables, is skipped with the reason.
@@ -32,10 +32,15 @@ def test_lora_adapters_over_an_int8_base(tmp_path):
         assert r["actor/grad_norm"] > 0, r
         # INT8 base + adapters against the trainer's base + the same adapters: a small, measured mismatch
         assert 0 < r["actor/qurl/kl_behav_prox_k3"] < 0.05, r
-        # each step's sync carried the adapters only (A and B of every linear), the 8-bit base untouched
+        assert "actor/qurl/update/changed_code_frac" not in r  # the tracker is off: no code ever changes
+    # step 1 synced the base (quantized once) and then the adapters, reported as one row
+    first = rows[0]
+    assert first["actor/qurl/sync/quantized"] == LINEARS and first["actor/qurl/sync/base_frozen"] == 0, first
+    assert first["actor/qurl/sync/tensors_in"] > 2 * LINEARS, first
+    # every later step synced the adapters only (A and B of every linear), the 8-bit base untouched
+    for r in rows[1:]:
         assert r["actor/qurl/sync/base_frozen"] == 1 and r["actor/qurl/sync/quantized"] == 0, r
         assert r["actor/qurl/sync/tensors_in"] == 2 * LINEARS, r
-        assert "actor/qurl/update/changed_code_frac" not in r  # the tracker is off: no code ever changes
 
 
 @pytest.mark.e2e

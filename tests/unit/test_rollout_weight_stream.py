@@ -215,3 +215,19 @@ def test_the_checksum_tells_two_replicas_apart_exactly_when_their_bits_differ(st
     flipped = state[norm].clone()
     flipped[0] = torch.nextafter(flipped[0], torch.tensor(float("inf")))
     assert checksum([(n, flipped if n == norm else t) for n, t in items]) != base
+
+
+def test_tensors_loaded_as_is_count_as_a_full_precision_stream_would(state):
+    """A LoRA adapter sync (``StreamStats.count_loaded_as_is``: vLLM's add_lora takes the tensors as they
+    are) reports what a bf16 stream passing the same tensors through reports: tensors, bytes, elements,
+    checksum; nothing quantized."""
+    from qurl_verl.rollout.weight_stream import StreamStats
+
+    adapters = [(f"base_model.model.{n.removesuffix('.weight')}.lora_A.weight", t[:8].clone())
+                for n, t in state.items() if n.endswith("q_proj.weight")]
+    as_is = StreamStats()
+    as_is.count_loaded_as_is(adapters)
+    passed = WeightStreamQuantizer(RolloutSettings(format="bf16"))
+    passed.transform(adapters)
+    assert as_is.report() == passed.stats.report() | {"quantize_s": 0.0, "copy_s": 0.0, "code_change_s": 0.0}
+    assert as_is.tensors_in == len(adapters) > 0 and as_is.quantized == 0 and as_is.checksum > 0

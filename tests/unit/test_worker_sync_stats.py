@@ -16,6 +16,7 @@ PREVIOUS_KEYS = [
     "changed_code_frac", "update_to_error_ratio", "tracker_resident_bytes", "tracker_row_stride",
     "checksum",  # added with the replicas' agreement check
     "kv_scale_layers_streamed", "kv_scale_k_min", "kv_scale_k_max", "kv_scale_v_min", "kv_scale_v_max",  # FP8 KV cache
+    "base_frozen",  # LoRA adapter syncs
 ]
 
 
@@ -80,3 +81,30 @@ def test_ranks_that_disagree_on_the_stream_are_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="qurl_verl"):
         combine_ranks([rank(0.5, 1.0, quantized=14), rank(0.5, 1.0, quantized=13)])
     assert "ranks disagree on quantized" in caplog.text
+
+
+def test_a_step_that_synced_the_lora_base_then_the_adapters_reports_both():
+    """Step 1 of a LoRA adapter run syncs twice: the row adds costs and counts, keeps the base's 8-bit share,
+    says the base changed, and its checksum equals one stream's over both syncs' tensors."""
+    import torch
+
+    from qurl_verl.rollout.sync_stats import combine_syncs
+    from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
+    from qurl_verl.settings import RolloutSettings
+
+    base_tensors = [("model.layers.0.self_attn.q_proj.weight", torch.randn(8, 8)), ("model.norm.weight", torch.ones(8))]
+    adapter_tensors = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.randn(2, 8))]
+    base_stream = WeightStreamQuantizer(RolloutSettings(format="int8"))
+    base_stream.transform(base_tensors)
+    adapters = StreamStats()
+    adapters.count_loaded_as_is(adapter_tensors)
+    base = SyncStats(sync=1, format="int8", stream=base_stream.stats, total_s=2.0, load_s=1.0).as_dict()
+    then = SyncStats(sync=2, format="int8", stream=adapters, total_s=0.5, load_s=0.5, base_frozen=1).as_dict()
+    step = combine_syncs(base, then)
+    assert step["total_s"] == 2.5 and step["load_s"] == 1.5 and step["tensors_in"] == 3 and step["quantized"] == 1
+    assert step["bytes_in"] == base["bytes_in"] + then["bytes_in"] and step["base_frozen"] == 0
+    assert step["quantized_frac"] == base["quantized_frac"] and step["sync"] == 2
+    both = WeightStreamQuantizer(RolloutSettings(format="int8"))
+    both.transform(base_tensors)
+    both.stats.add_checksum(adapter_tensors)
+    assert step["checksum"] == both.stats.checksum
