@@ -141,7 +141,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {label} | {r['tensors_in']} | {r['bytes_in'] / 2**20:.1f} | {r['quantized']} | "
                          f"{r['client_wall_s']:.3f} | {r['engine_total_s']:.3f} |")
         lines += ["", f"A full-weight sync takes {s['full_over_adapter_wall']:.0f}x the wall time of an adapter sync (median). "
-                  "The engine has enable_lora on throughout (a merged run's engine has not; its full syncs cost the same).", ""]
+                  "The engine has enable_lora on throughout (a merged run's engine has it off; not measured separately).", ""]
     if "kl" in report:
         k = report["kl"]
         lines += [f"## KL(behav||prox) per step, {k['recipe']}, {k['steps']} steps, same seed", "",

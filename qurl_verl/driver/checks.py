@@ -236,7 +236,7 @@ CHECKS = (
     Check("an FSDP actor feeds the weight stream", _qurl_vllm,
           lambda r: check_actor_strategy(select(r.cfg, ACTOR_STRATEGY_KEY)), f"set {ACTOR_STRATEGY_KEY}=fsdp2"),
     Check("LoRA adapters travel apart from the base only where the sync carries them", _qurl_vllm,
-          lambda r: check_lora_adapters(r.cfg, r.rollout), f"Set {LORA_MERGE_KEY}=true"),
+          lambda r: check_lora_adapters(r.cfg, r.rollout, r.on_cpu, r.host.vllm_version), f"{LORA_MERGE_KEY}=true"),
     Check("the architecture is one the weight stream maps", lambda r: _qurl_vllm(r) and r.model.architectures is not None,
           lambda r: check_architecture(r.model.architectures, model=str(select(r.cfg, MODEL_PATH_KEY))),
           f"Use {ROLLOUT_NAME_KEY}=vllm"),

