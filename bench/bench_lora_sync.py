@@ -128,6 +128,9 @@ def markdown(report: dict) -> str:
     cpu = report["cpu"]
     lines = [f"# LoRA over the 8-bit base: sync time and mismatch ({cpu['model']}, {cpu['class']}, {cpu['cores']} cores, "
              f"vLLM {report['vllm']})", ""]
+    if "load_avg_start" in report:
+        lines += [f"Load average (1, 5, 15 min) at start {tuple(round(x, 1) for x in report['load_avg_start'])}, at end "
+                  f"{tuple(round(x, 1) for x in report['load_avg_end'])}.", ""]
     if "sync" in report:
         s = report["sync"]
         lines += [f"## Sync time, {s['shape']} shape ({s['params_b']:.2f}B parameters), INT8 bf16 engine, rank-{s['rank']} "
@@ -170,7 +173,7 @@ def main() -> None:
     model_name, flags = cpu_model_and_flags()
     cls = cpu_class(flags)
     report = {"cpu": {"model": model_name, "class": cls, "cores": os.cpu_count(), "machine": platform.machine()},
-              "vllm": vllm.__version__}
+              "vllm": vllm.__version__, "load_avg_start": os.getloadavg()}
     out = args.out or REPO / "bench" / "results" / f"lora_sync_{cls}"
     if args.kl or both:  # main_ppo first: it starts its own Ray and engines
         report["kl"] = kl_part()
@@ -184,6 +187,7 @@ def main() -> None:
 
         platform_manager._current_platform = PlatformCPU()  # the weight sender asks the platform to synchronize
         report["sync"] = sync_part(args.shape, args.rank)
+    report["load_avg_end"] = os.getloadavg()
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))

@@ -17,6 +17,7 @@ run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits gain4 fanin --
 run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits --out bench/results/fidelity_jitter
 run bench/bench_step_overheads.py --reps 2 --no-bf16-sync
 run bench/bench_sync_scaling.py
+run bench/bench_lora_sync.py  # LoRA adapter vs full-weight sync (Qwen2.5-0.5B shape), KL beside full fine-tuning: ~8 min
 run bench/bench_kv_cache_capacity.py  # KV-cache capacity and long-context throughput, BF16 vs FP8 KV: ~10 min
 run bench/bench_rollout_throughput.py --formats bf16 int8 --blocks 3 --reps 1 --max-tokens 64 --batches 1 8 32 --budget-s 1500
 # the same with oneDNN and torch capped at AVX2 (how a CPU without VNNI runs INT8; a no-op on an AVX2 CPU, where the

@@ -130,6 +130,18 @@ def rows() -> list[str]:
                          f"{max(r['max_rel_err_vs_exact'] for r in gemm):.0e}, activation codes differing: "
                          f"{sum(r['activation_codes_differing'] for r in gemm)}")
         out.append(f"| INT8 kernel correctness (no target; fidelity_diagnosis*.md, fidelity_jitter.md) | {'; '.join(parts)} | - |")
+    for path in sorted(RESULTS.glob("lora_sync_*.json")):
+        ls = json.loads(path.read_text())
+        parts = []
+        if ls.get("sync"):
+            sy = ls["sync"]
+            adapter = sorted(a["client_wall_s"] for a in sy["adapter_syncs"])[len(sy["adapter_syncs"]) // 2]
+            parts.append(f"{sy['shape']}: full-weight sync {sy['full_sync']['client_wall_s']:.2f} s, rank-{sy['rank']} adapter "
+                         f"sync {adapter:.3f} s ({sy['full_over_adapter_wall']:.0f}x), base once {sy['lora_base_sync']['client_wall_s']:.2f} s")
+        if ls.get("kl"):
+            means = {arm: sum(r["kl_behav_prox_k3"] for r in rows) / len(rows) for arm, rows in ls["kl"]["arms"].items()}
+            parts.append("KL(behav||prox) " + ", ".join(f"{arm} {v:.1e}" for arm, v in means.items()))
+        out.append(f"| LoRA over the 8-bit base (no target; {path.stem.removeprefix('lora_sync_')}) | {'; '.join(parts)} | - |")
     out.append("| `make bench` reproduces all numbers | `bench/run_all.sh` runs every script above with the "
                "arguments of the committed results | - |")
     return out
