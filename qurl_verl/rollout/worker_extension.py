@@ -13,6 +13,10 @@ One weight sync (``update_weights_from_ipc``) is one pass of vLLM's layerwise-re
     check_reloaded   nothing left on meta, weight scales finite and > 0
     summarize        the sync's ``SyncStats``
 
+With LoRA adapters (verl's ``peft_config``) the base comes once, as such a sync (under verl's
+``<layer>.base_layer.<tensor>`` names, quantized under the checkpoint's), and every later sync carries
+only the adapters, which go through verl's own ``add_lora`` path (``qurl_sync_adapters``).
+
 The helpers around vLLM's reload live in ``layerwise_reload``. A tied ``lm_head.weight`` in the
 stream is dropped before it is copied (``qurl_verl.tied_lm_head``; counted as ``skipped``): the
 engine's lm_head reads the embedding's Parameter, reloaded under the embedding's name.
@@ -69,6 +73,7 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         instance._qurl_last_sync = None
         instance._qurl_broken = None
         instance._qurl_tracker = None
+        instance._qurl_adapter_stream = None  # the counters of a LoRA adapter sync while it runs
         return instance
 
     @classmethod
@@ -133,9 +138,8 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
     def _update_weights(self, weights, peft_config, base_sync_done):
         """verl's loader, called here for the adapters only; counts what ``add_lora`` gets."""
-        stream = getattr(self, "_qurl_adapter_stream", None)
-        if stream is not None:
-            stream.count_loaded_as_is(list(weights))
+        if self._qurl_adapter_stream is not None:
+            self._qurl_adapter_stream.count_loaded_as_is(list(weights))
         return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
 
     def qurl_last_sync(self) -> dict | None:
