@@ -128,8 +128,10 @@ def lora_base_layer_renamer(model: torch.nn.Module):
     manager wrapped: the identity on 0.32; on 0.24, ``<layer>.<tensor>`` of a wrapped layer becomes
     ``<layer>.base_layer.<tensor>`` (HF shard names count as their fused layer: ``q_proj`` is in
     ``qkv_proj``), codes and scales alike."""
+    if lora_loads_through_wrapper():
+        return lambda name: name
     wrapped = {name for name, module in model.named_modules() if hasattr(module, "base_layer")}
-    if not wrapped or lora_loads_through_wrapper():
+    if not wrapped:
         return lambda name: name
     owner = {shard: fused for fused, shards in (getattr(model, "packed_modules_mapping", None) or {}).items()
              for shard in shards}

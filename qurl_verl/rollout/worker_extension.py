@@ -131,7 +131,6 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         finally:
             self._qurl_adapter_stream = None
         stats.total_s = stats.load_s = time.perf_counter() - start
-        stats.buckets = 1
         stats.rss_mb = psutil.Process().memory_info().rss / 2**20
         self._record(stats)
         return self.qurl_last_sync()
