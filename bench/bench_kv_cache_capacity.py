@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO))  # qurl_testkit
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_models import INITS, SPECS, build_model, param_count  # noqa: E402
@@ -352,7 +352,7 @@ def time_context(llm, prompts: list[list[int]], gen_tokens: int, reps: int) -> d
 
 
 def run_block(model_dir: Path, trainer, setup: str, args, prompts: dict, scales: dict, max_model_len: int) -> dict:
-    import vllm_reload_harness as harness
+    from qurl_testkit import reload_harness as harness
 
     block = {"setup": setup, "load_before": os.getloadavg(), "contexts": {}}
     start = time.perf_counter()
@@ -620,9 +620,9 @@ def main() -> None:
         return
 
     import vllm
-    import vllm_reload_harness as harness
     from verl.plugin.platform import platform_manager
 
+    from qurl_testkit import reload_harness as harness
     from qurl_verl.platform.cpu import PlatformCPU
 
     os.environ.update(harness.engine_env())

@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
-sys.path.insert(0, str(REPO / "tests" / "e2e"))
+sys.path.insert(0, str(REPO))  # qurl_testkit
 sys.path.insert(0, str(REPO / "bench"))
 
 from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags  # noqa: E402
@@ -69,10 +68,10 @@ def timed_sync(harness, llm, stream, bucket_mb: int, **kwargs) -> dict:
 
 def sync_part(shape_name: str, rank: int) -> dict:
     import bench_sync_scaling as scaling
-    import vllm_reload_harness as harness
     from verl.utils.fsdp_utils import replace_lora_wrapper
     from verl.workers.rollout.vllm_rollout.utils import get_vllm_max_lora_rank
 
+    from qurl_testkit import reload_harness as harness
     from qurl_verl.settings import RolloutSettings
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,7 +106,7 @@ def sync_part(shape_name: str, rank: int) -> dict:
 
 
 def kl_part() -> dict:
-    from test_main_ppo_cpu import run_recipe
+    from qurl_testkit.main_ppo_runs import run_recipe
 
     arms = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -178,7 +177,7 @@ def main() -> None:
     if args.kl or both:  # main_ppo first: it starts its own Ray and engines
         report["kl"] = kl_part()
     if args.sync or both:
-        import vllm_reload_harness as harness
+        from qurl_testkit import reload_harness as harness
 
         os.environ.update({k: v for k, v in harness.engine_env().items() if k not in os.environ})
         from verl.plugin.platform import platform_manager

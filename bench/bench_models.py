@@ -14,7 +14,7 @@ Speed does not depend on the weight values, but log-prob fidelity does, a lot:
   (minus the activation outliers of real models, which random weights do not have).
 
 Every init ends with a 1e-3 relative jitter that moves values off the bf16 grid, as a trainer's
-fp32 masters are after the first update (see ``tests/integration/vllm_reload_harness.py``).
+fp32 masters are after the first update (see ``qurl_testkit/reload_harness.py``).
 """
 from __future__ import annotations
 

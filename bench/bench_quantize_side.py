@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO))  # qurl_testkit
 
 MODELS = {
     "tiny_h128_l2": dict(),
@@ -51,9 +51,9 @@ def build(out: Path, **spec) -> Path:
 
 
 def bench_model(name: str, model_dir: Path, reps: int) -> dict:
-    import vllm_reload_harness as harness
     from verl.plugin.platform import platform_manager
 
+    from qurl_testkit import reload_harness as harness
     from qurl_verl.platform.cpu import PlatformCPU
     from qurl_verl.quant import quantize_state_dict
     from qurl_verl.settings import RolloutSettings

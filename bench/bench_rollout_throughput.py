@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO))  # qurl_testkit
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_models import INITS, build_model, param_count  # noqa: E402
@@ -165,7 +165,7 @@ def fidelity(scores: dict, fmt: str) -> dict:
 
 
 def run_block(model_dir: Path, trainer, fmt: str, args, prompts, fid, first: bool) -> dict:
-    import vllm_reload_harness as harness
+    from qurl_testkit import reload_harness as harness
 
     load_before = os.getloadavg()
     t0 = time.perf_counter()
@@ -336,9 +336,9 @@ def main() -> None:
     assert args.formats[0] == "bf16", "bf16 first: it fixes the fidelity sequences"
 
     import vllm
-    import vllm_reload_harness as harness
     from verl.plugin.platform import platform_manager
 
+    from qurl_testkit import reload_harness as harness
     from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
     from qurl_verl.platform.cpu import PlatformCPU
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO))  # qurl_testkit
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_models import SPECS, build_model, param_count  # noqa: E402
@@ -56,8 +56,9 @@ def median(xs):
 
 def time_sync_and_generate(model_dir, trainer, fmt: str, prompts, setup: dict, reps: int, generate: bool) -> dict:
     """Alternating sync / generation on one engine of format ``fmt``."""
-    import vllm_reload_harness as harness
     from vllm import SamplingParams
+
+    from qurl_testkit import reload_harness as harness
 
     batch = [{"prompt_token_ids": p} for p in prompts for _ in range(setup["n"])]
     llm = start_engine(model_dir, fmt, max_model_len=max(len(p) for p in prompts) + setup["max_tokens"] + 8)
@@ -196,7 +197,7 @@ def time_uaq(mid_dir: Path, tmp: Path, reps: int) -> dict:
 
 
 def run_setup(name: str, tmp: Path, reps: int, bf16_sync: bool) -> dict:
-    import vllm_reload_harness as harness
+    from qurl_testkit import reload_harness as harness
 
     s = SETUPS[name]
     model_dir = build_model(tmp / name, s["model"], "fanin")
@@ -276,9 +277,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "step_overheads"))
     args = parser.parse_args()
 
-    import vllm_reload_harness as harness
     from verl.plugin.platform import platform_manager
 
+    from qurl_testkit import reload_harness as harness
     from qurl_verl.platform.cpu import PlatformCPU
     from qurl_verl.platform.cpu_features import cpu_model_and_flags
 

@@ -34,7 +34,7 @@ import psutil
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO))  # qurl_testkit
 
 from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags  # noqa: E402
 
@@ -102,8 +102,7 @@ def fits(shapes, tp: int) -> tuple[bool, str]:
 
 
 def run_one(model_dir: Path, shapes, tp: int, syncs: int) -> dict:
-    import vllm_reload_harness as harness
-
+    from qurl_testkit import reload_harness as harness
     from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding as binding
     from qurl_verl.rollout.sync_stats import combine_ranks
     from qurl_verl.settings import RolloutSettings
@@ -176,7 +175,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.update({k: v for k, v in {"VERL_PLATFORM": "cpu", "QURL_VLLM_LAYERWISE_RELOAD": "1",
                                          "VLLM_CPU_KVCACHE_SPACE": "1"}.items() if k not in os.environ})
-    os.environ.setdefault("VERL_RAY_JOB_ID", __import__("vllm_reload_harness").JOB_ID)
+    os.environ.setdefault("VERL_RAY_JOB_ID", __import__("qurl_testkit.reload_harness").reload_harness.JOB_ID)
     from verl.plugin.platform import platform_manager
 
     from qurl_verl.platform.cpu import PlatformCPU

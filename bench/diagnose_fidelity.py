@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO))  # qurl_testkit
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_models import INITS, build_model, param_count  # noqa: E402
@@ -138,7 +138,7 @@ def compare(x: list[list[float]], ref: list[list[float]]) -> dict:
 
 def run_init(init: str, model: str, tmp: Path, n_seqs: int, gen_tokens: int, engines: bool,
              engine_dtypes: list[str]) -> dict:
-    import vllm_reload_harness as harness
+    from qurl_testkit import reload_harness as harness
 
     model_dir = build_model(tmp / f"{model}_{init}", model, init)
     trainer = harness.TrainerWeights(model_dir)
@@ -239,10 +239,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "fidelity_diagnosis"))
     args = parser.parse_args()
 
-    import vllm_reload_harness as harness
     from bench_models import SPECS
     from verl.plugin.platform import platform_manager
 
+    from qurl_testkit import reload_harness as harness
     from qurl_verl.platform.cpu import PlatformCPU
 
     os.environ.update(harness.engine_env())

@@ -382,14 +382,14 @@ def engine_profile(args) -> None:
     """Wall time (median of 3 runs) and a torch.profiler run of ``engine_tokens`` tokens at batch 1
     (4-token prompt) of the in-process engine."""
     load_ops(args.avx2_kernels)
-    sys.path.insert(0, str(REPO / "tests" / "integration"))
-    import vllm_reload_harness as harness
+    sys.path.insert(0, str(REPO))  # qurl_testkit
     from bench_models import build_model
     from bench_rollout_throughput import start_engine
     from verl.plugin.platform import platform_manager
     from vllm import SamplingParams
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
 
+    from qurl_testkit import reload_harness as harness
     from qurl_verl.platform.cpu import PlatformCPU
 
     os.environ.update(harness.engine_env())

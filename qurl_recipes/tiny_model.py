@@ -54,6 +54,22 @@ class TinyModelSpec:
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
+    def linear_partitions(self) -> dict[str, tuple[int, list[int]]]:
+        """(input size, output sizes) of each linear of a layer as vLLM fuses them, at TP 1."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "qkv_proj": (self.hidden_size, [q, kv, kv]),
+            "o_proj": (q, [self.hidden_size]),
+            "gate_up_proj": (self.hidden_size, [self.intermediate_size] * 2),
+            "down_proj": (self.intermediate_size, [self.hidden_size]),
+        }
+
+
+# Block FP8 (128 x 128 weight blocks) needs every partition of a fused linear to be whole blocks (vLLM's
+# ``validate_fp8_block_shape``); the default spec's k/v projections have 64 rows. Two heads of 64 make
+# every partition 128 or 256 rows, in the same 128-wide model.
+BLOCK_FP8_SPEC = TinyModelSpec(num_heads=2, num_kv_heads=2)
+
 
 @dataclass(frozen=True)
 class TinyMoeSpec:

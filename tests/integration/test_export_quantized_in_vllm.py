@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     engine_logprobs,
@@ -26,7 +27,6 @@ from vllm_reload_harness import (
     stop_engine,
     sync_weights,
 )
-
 from qurl_verl.export_quantized import export_quantized_checkpoint
 from qurl_verl.settings import RolloutSettings
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     build_peaked_tiny_model,
@@ -34,7 +35,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
 from qurl_verl.platform.cpu_features import cpu_flags
 from qurl_verl.rollout.vllm_versions import W8A8_INT8_EXPERTS_VLLM, installed_vllm_version, vllm_release
 from qurl_verl.settings import RolloutSettings
@@ -96,11 +96,13 @@ def test_int8_quantized_experts_run_on_amx(tmp_path):
     assert all(r["stats"]["quantized_frac"] > 0.5 for r in rows), rows  # the experts are most of the weights
 
 
-def test_fp8_block_runs_on_amx(tiny_model_dir):
-    """``quantization=fp8_block`` on the tiny dense model: 7 projections x 2 layers as block-FP8 codes."""
+def test_fp8_block_runs_on_amx(block_fp8_model_dir):
+    """``quantization=fp8_block`` on the tiny dense model with whole 128 x 128 blocks in every partition
+    (``BLOCK_FP8_SPEC``; vLLM refuses the default spec's 64-row k/v partitions at engine build,
+    ``tests/unit/test_tiny_model.py``): 7 projections x 2 layers as block-FP8 codes."""
     require_vllm()
-    llm = start_engine(tiny_model_dir, RolloutSettings(format="fp8_block"), dtype="bfloat16")
+    llm = start_engine(block_fp8_model_dir, RolloutSettings(format="fp8_block"), dtype="bfloat16")
     try:
-        _track_the_synced_model(llm, tiny_model_dir, expected_quantized=14)
+        _track_the_synced_model(llm, block_fp8_model_dir, expected_quantized=14)
     finally:
         stop_engine(llm)

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     engine_logprobs,
@@ -40,7 +41,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
 from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
 from qurl_verl.quant.kv_cache import KVRangeObserver, kv_scales, parse_kv_scale_name
 from qurl_verl.settings import RolloutSettings

@@ -22,7 +22,7 @@ activation. A wrong, stale or mis-packed weight moves outputs by whole weight st
 
 Three engines: this CPU's own kernels in bf16 (on AMX with vLLM 0.32: the real sgl kernel; on other
 classes the GEMM their CPU gets), and vLLM's sgl choice forced on any CPU with the pure-torch stand-ins
-of ``tests/sgl_int8_stand_in.py``, in bf16 (the sgl path through every reload) and in fp32 (where the
+of ``qurl_testkit/sgl_stand_in.py``, in bf16 (the sgl path through every reload) and in fp32 (where the
 stock choice fails at the first generate and ``vllm_cpu_int8_fp32_onednn`` gives oneDNN instead).
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ import io
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     engine_logprobs,
@@ -44,7 +45,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
 from qurl_verl.platform import cpu_int8_gemm
 from qurl_verl.platform.cpu_features import cpu_flags
@@ -61,8 +61,8 @@ FUSED_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 OUTPUT_ROUNDING = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}  # unit roundoff of the output dtype
 FP32_EPILOGUE = 1e-5  # float32 rescaling and bias, relative to the absolute sum of the terms
 TIE_MARGIN = 1e-4  # |x * 127/amax| this close to k + 1/2 may round either way in float32 (error <= ~3e-5)
-PROBE = "qurl_reload_probe.Int8GemmProbeWorkerExtension"
-FORCED_AMX = "qurl_reload_probe.ForcedAmxInt8WorkerExtension"
+PROBE = "qurl_testkit.reload_probe.Int8GemmProbeWorkerExtension"
+FORCED_AMX = "qurl_testkit.reload_probe.ForcedAmxInt8WorkerExtension"
 
 
 def reference_weight(master: dict[str, torch.Tensor], module: str):

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     engine_logprobs,
@@ -48,7 +49,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
 from qurl_verl.patches.vllm_cpu_worker.vllm_cpu_int8_saturation import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import RolloutSettings

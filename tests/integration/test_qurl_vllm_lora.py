@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     engine_logprobs,
@@ -37,7 +38,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
 from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding
 from qurl_verl.rollout import vllm_versions
 from qurl_verl.settings import RolloutSettings

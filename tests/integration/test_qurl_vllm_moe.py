@@ -18,7 +18,8 @@ import io
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     build_peaked_tiny_model,
@@ -32,7 +33,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
 from qurl_verl.model_info import quantized_share
 from qurl_verl.rollout.worker_extension import WeightReloadError
 from qurl_verl.settings import RolloutSettings
@@ -55,7 +55,7 @@ def moe_model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe_engine(moe_model_dir, engine_environment):
     require_vllm()
-    llm = start_engine(moe_model_dir, INT8, dtype="float32", extension="qurl_reload_probe.MoeProbeWorkerExtension")
+    llm = start_engine(moe_model_dir, INT8, dtype="float32", extension="qurl_testkit.reload_probe.MoeProbeWorkerExtension")
     yield llm
     stop_engine(llm)
 

@@ -24,7 +24,9 @@ import logging
 import pytest
 import torch
 from packaging.version import Version
-from vllm_reload_harness import (
+
+from qurl_recipes.tiny_model import TinyModelSpec
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     build_peaked_tiny_model,
@@ -38,8 +40,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
-from qurl_recipes.tiny_model import TinyModelSpec
 from qurl_verl.rollout import layerwise_reload, vllm_versions
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import RolloutSettings

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     engine_logprobs,
@@ -33,7 +34,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
 from qurl_verl.quant import update_visibility
 from qurl_verl.settings import RolloutSettings
 
@@ -125,7 +125,7 @@ def test_packed_avx2_gemm_tracks_the_w8a8_reference_in_the_engine(tiny_model_dir
 
     if not cpu_int8_gemm.cpu_supports_kernel(cpu_int8_gemm.cpu_flags()):
         pytest.skip("this CPU has no AVX2")
-    llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension="qurl_reload_probe.ForcedSaturationWorkerExtension")
+    llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension="qurl_testkit.reload_probe.ForcedSaturationWorkerExtension")
     try:
         trainer = TrainerWeights(tiny_model_dir)
         prompts = prompt_ids(tiny_model_dir)

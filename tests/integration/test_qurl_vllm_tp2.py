@@ -26,7 +26,8 @@ import io
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     engine_logprobs,
@@ -39,7 +40,6 @@ from vllm_reload_harness import (
     summary,
     sync_weights,
 )
-
 from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding
 from qurl_verl.quant import quantize
 from qurl_verl.rollout.sync_stats import combine_ranks
@@ -63,7 +63,7 @@ def tp2_engine(tiny_model_dir, engine_environment):
 
     cpus = [(c.id, c.numa_node) for c in cpu_resource_utils.get_allowed_cpu_list()]
     engine_environment.setenv(vllm_cpu_thread_binding.BIND_ENV, vllm_cpu_thread_binding.thread_binding(cpus, TP))
-    llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension="qurl_reload_probe.ShardProbeWorkerExtension",
+    llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension="qurl_testkit.reload_probe.ShardProbeWorkerExtension",
                        tensor_parallel_size=TP)
     yield llm
     stop_engine(llm)

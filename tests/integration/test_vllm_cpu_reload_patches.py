@@ -18,7 +18,8 @@ import io
 
 import pytest
 import torch
-from vllm_reload_harness import (
+
+from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
     engine_logprobs,
@@ -30,7 +31,6 @@ from vllm_reload_harness import (
     stop_engine,
     summary,
 )
-
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
@@ -92,8 +92,12 @@ def vllm_cpu_int8_saturates() -> bool:
 @pytest.fixture(scope="module")
 def probe_engine(tiny_model_dir, engine_environment):
     require_vllm()
+    from vllm import envs
+
     engine_environment.delenv("VERL_PLATFORM")  # stock vLLM-CPU GEMM dispatch in the worker
-    llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension="qurl_reload_probe.ProbeWorkerExtension")
+    if "VLLM_CPU_SGL_KERNEL" in envs.environment_variables:  # 0.24 takes the AMX paths only when opted in
+        engine_environment.setenv("VLLM_CPU_SGL_KERNEL", "1")
+    llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension="qurl_testkit.reload_probe.ProbeWorkerExtension")
     engine_environment.setenv("VERL_PLATFORM", "cpu")
     yield llm
     stop_engine(llm)

@@ -15,6 +15,8 @@ from qurl_verl.driver.prepare import prepare_cpu_int8_gemm
 from qurl_verl.model_info import hub_id_cached
 from qurl_verl.settings import QurlConfigError, UaqSettings
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 CPU_OK = [
     "actor_rollout_ref.rollout.name=vllm",
     "actor_rollout_ref.actor.strategy=fsdp2",

@@ -35,7 +35,8 @@ from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_tied_lm_head_refresh as l
 from qurl_verl.rollout import int8_gemm_report
 from qurl_verl.rollout.int8_gemm_report import kernel_gemm
 
-pytestmark = pytest.mark.skipif(not ops._supports_onednn, reason="this vLLM build has no CPU oneDNN ops")
+needs_onednn = pytest.mark.skipif(not ops._supports_onednn, reason="this vLLM build has no CPU oneDNN ops")
+pytestmark = [pytest.mark.both_stacks, needs_onednn]  # both stacks: reaches vLLM's own code, which differs between them
 
 Kernel = cpu_scaled_mm.CPUInt8ScaledMMLinearKernel
 PARAM_NAMES = ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"]
@@ -385,12 +386,12 @@ def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, no_avx2_kernel, sgl_g
 @pytest.fixture
 def amx_int8_ops(sgl_gemms, monkeypatch):
     """vLLM's sgl INT8 path as on an x86 CPU with AMX, its two ops replaced by the pure-torch stand-ins of
-    ``tests/sgl_int8_stand_in.py`` (which refuse fp32 activations as the real op does)."""
-    import sgl_int8_stand_in
+    ``qurl_testkit/sgl_stand_in.py`` (which refuse fp32 activations as the real op does)."""
+    from qurl_testkit import sgl_stand_in
 
     sgl_gemms.force_amx()
     monkeypatch.setattr(type(current_platform), "get_cpu_architecture", classmethod(lambda cls: CpuArchEnum.X86))
-    sgl_int8_stand_in.install_ops(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False))
+    sgl_stand_in.install_ops(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False))
 
 
 def test_stock_sgl_choice_fails_an_fp32_engine(vllm_kernel, amx_int8_ops):

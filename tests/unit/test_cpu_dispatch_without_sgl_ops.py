@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_cpu_dispatch_branches import *  # noqa: F401,F403  (every test and fixture of that module)
-from test_cpu_dispatch_branches import pytestmark as needs_onednn
+from test_cpu_dispatch_branches import needs_onednn
 from test_vllm_cpu_unquantized_gemm import (  # noqa: F401  (fixtures are found by name)
     built_layer,
     keep_weights,
@@ -30,7 +30,8 @@ from test_vllm_cpu_unquantized_gemm import (  # noqa: F401  (fixtures are found 
 )
 
 del test_only_the_avx512_bf16_library_has_the_sgl_ops  # noqa: F821  (it reads the real library)
-pytestmark = [needs_onednn, pytest.mark.usefixtures("without_sgl_ops")]
+# both stacks: reaches vLLM's own code, which differs between them
+pytestmark = [pytest.mark.both_stacks, needs_onednn, pytest.mark.usefixtures("without_sgl_ops")]
 
 
 def test_the_sgl_ops_are_hidden_and_the_others_are_not():

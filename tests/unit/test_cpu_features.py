@@ -79,7 +79,6 @@ def test_throughput_results_name_the_class_and_any_emulation(monkeypatch, flags,
     """The file name of a throughput result says the CPU class and whether oneDNN alone or oneDNN and torch
     were capped (bench/bench_rollout_throughput.py)."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "tests" / "integration"))
     for var, value in (("ONEDNN_MAX_CPU_ISA", onednn_cap), ("ATEN_CPU_CAPABILITY", aten_cap)):
         if value is None:
             monkeypatch.delenv(var, raising=False)

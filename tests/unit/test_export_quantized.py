@@ -17,6 +17,8 @@ from qurl_verl.export_quantized import export_quantized_checkpoint
 from qurl_verl.quant import quantize
 from qurl_verl.settings import QurlConfigError, RolloutSettings
 
+pytestmark = pytest.mark.both_stacks  # transformers' checkpoint code, whose version differs between the stacks
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

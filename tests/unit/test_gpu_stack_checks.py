@@ -20,6 +20,8 @@ from qurl_verl.platform.host import Host
 from qurl_verl.rollout.cuda_int8_kernel import CUTLASS_INT8_KERNEL, DISABLED_KERNELS_ENV, int8_kernel_env
 from qurl_verl.settings import BUCKET_MB_KEY, QurlConfigError
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 QURL_GPU_RUN = [o for o in GRPO_EXAMPLE if not o.startswith("actor_rollout_ref.rollout.name=")]
 SDPA = "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"
 BOTH_FIXES = (r"pip install flash-attn==2\.8\.3 --no-build-isolation.*"

@@ -21,6 +21,8 @@ from qurl_verl.quant.compressed_tensors_format import (
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 from qurl_verl.settings import RolloutSettings
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 AGREE = {
     "exact paths": ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"],
     "name suffix": ["down_proj"],

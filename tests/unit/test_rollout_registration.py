@@ -13,6 +13,8 @@ from omegaconf import OmegaConf
 
 from qurl_verl.settings import QurlConfigError
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 
 def test_plugin_registers_qurl_vllm_without_importing_vllm():
     code = (

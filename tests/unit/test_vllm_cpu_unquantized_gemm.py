@@ -30,6 +30,8 @@ from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbed
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
 from vllm.platforms import CpuArchEnum, current_platform  # noqa: E402
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 ROOT = Path(__file__).resolve().parents[2]
 N, K = 64, 32  # small enough for the sgl-kernel size check, N >= 16 so it VNNI-packs
 
@@ -274,3 +276,37 @@ def test_apply_before_vllm_is_imported_patches_it_on_import():
     proc = subprocess.run([sys.executable, "-c", APPLY_BEFORE_IMPORT], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["linear", "lm_head"])
+def test_forced_amx_engine_stand_ins_serve_the_bf16_gemms_vllm_packs(kind, monkeypatch, sgl_gemms, stock_dispatch):
+    """On an AMX CPU vLLM also packs small bf16 GEMMs (the tied embedding that serves as lm_head) with
+    ``convert_weight_packed``, the op the INT8 linears pack with. The forced-AMX engine of
+    ``test_qurl_vllm_int8_gemms.py`` installs ``sgl_stand_in``'s ops and vLLM's choice as here, so they must
+    serve that path too (an INT8-only stand-in failed there on AMX CPUs alone); forced here on any CPU.
+    The output is the float64 product of the packed weight within bf16 rounding (one rounding of the
+    output: 2^-8 relative), and a reload packs the new weight."""
+    from qurl_testkit import sgl_stand_in
+
+    def set_(obj, name, value):
+        monkeypatch.setattr(obj, name, value, raising=False)
+
+    if sgl_gemms.needs_opt_in:
+        monkeypatch.setenv(sgl_gemms.OPT_IN_ENV, "1")
+    sgl_stand_in.force_choice(set_)
+    sgl_stand_in.install_ops(set_)
+    packed_dtypes = []
+    real_pack = torch.ops._C.convert_weight_packed
+    set_(torch.ops._C, "convert_weight_packed", lambda w: packed_dtypes.append(w.dtype) or real_pack(w))
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for seed in (0, 1):  # the first load, then a reload with other values
+        method, layer, bias = built_layer(kind, torch.bfloat16, seed=seed)
+        if bias is not None:  # a vLLM linear holds its bias, which 0.24's sgl branch reads from the layer
+            layer.bias = torch.nn.Parameter(bias, requires_grad=False)
+        weight = layer.weight.detach().clone()
+        method.process_weights_after_loading(layer)
+        out = method.apply(layer, x, bias)
+        want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        assert out.dtype == torch.bfloat16
+        assert torch.allclose(out.double(), want, rtol=2**-8, atol=1e-6), (out, want)
+    assert packed_dtypes == [torch.bfloat16, torch.bfloat16]  # vLLM's sgl branch packed each load

@@ -14,6 +14,8 @@ from vllm.model_executor.model_loader.reload import meta, utils  # noqa: E402
 
 from qurl_verl.rollout import vllm_versions  # noqa: E402
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 # the expert-map tensors every version's reload skips (vllm/model_executor/model_loader/reload/meta.py)
 EXPERT_MAPS = {"_expert_map", "expert_mask", "e_score_correction_bias"}
 

@@ -15,6 +15,8 @@ import torch
 
 from qurl_verl.patches.cpu_platform import weight_sync_ack_timeout as ack_timeout
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 transfer = pytest.importorskip("verl.workers.rollout.vllm_rollout.bucketed_weight_transfer")
 Sender, Receiver = transfer.BucketedWeightSender, transfer.BucketedWeightReceiver
 WEIGHTS = [("a.weight", torch.arange(12.0).view(3, 4)), ("b.bias", torch.ones(5, dtype=torch.bfloat16))]

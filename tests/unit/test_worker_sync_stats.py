@@ -9,6 +9,8 @@ import pytest
 from qurl_verl.rollout.sync_stats import SAME_ON_EVERY_RANK, SUMMED_OVER_RANKS, SyncStats, combine_ranks
 from qurl_verl.rollout.weight_stream import StreamStats
 
+pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
+
 # SyncStats' keys before it held a StreamStats (asdict of the flat dataclass); the order is not kept
 PREVIOUS_KEYS = [
     "sync", "format", "weight_bits", "total_s", "quantize_s", "copy_s", "load_s", "finalize_s", "buckets",

@@ -18,6 +18,7 @@ BEFORE_MODEL_LOAD = (
     "vllm_cpu_onednn_scale_keepalive",
     "vllm_cpu_int8_saturation",
     "vllm_cpu_int8_fp32_onednn",
+    "vllm_cpu_fp8_block_bias",
     "vllm_cpu_moe_silu",
     "vllm_cpu_lora_device",
 )

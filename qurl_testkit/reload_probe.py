@@ -16,10 +16,26 @@ from qurl_verl.rollout import int8_gemm_report
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 
 
+def force_amx_int8_choice() -> None:
+    """vLLM decides its sgl (AMX) paths as on an AMX CPU, with ``qurl_testkit/sgl_stand_in.py`` for their ops."""
+    from qurl_testkit import sgl_stand_in
+
+    sgl_stand_in.install_ops()
+    sgl_stand_in.force_choice()
+
+
 class ProbeWorkerExtension(QurlWorkerExtension):
+    """The reload patches off until a test installs them; the INT8 GEMM is vLLM's oneDNN kernel on every
+    CPU. vLLM's choice is forced to what an AMX CPU gets (its sgl kernel, which refuses the fp32 engine
+    these tests run), and ``vllm_cpu_int8_fp32_onednn`` gives the fp32 layers oneDNN, as on a real AMX
+    CPU: the oneDNN handles whose scales the keep-alive patch protects. Without that kernel choice an AMX
+    CPU's engine died at the first generate, before the tests could show anything."""
+
     @classmethod
     def _install_cpu_patches(cls) -> None:
-        return None
+        force_amx_int8_choice()
+        vllm_cpu_int8_fp32_onednn.applies = lambda: True
+        vllm_cpu_int8_fp32_onednn.apply()
 
     def _refresh_after_reload(self, model) -> None:
         if getattr(self, "_probe_refresh", False):
@@ -155,15 +171,13 @@ class Int8GemmProbeWorkerExtension(QurlWorkerExtension):
 
 
 class ForcedAmxInt8WorkerExtension(Int8GemmProbeWorkerExtension):
-    """The same, on a CPU that looks like one with AMX to vLLM's INT8 kernel alone: vLLM takes its sgl INT8
-    path (``tests/sgl_int8_stand_in.py`` stands in for the AMX ops) and the fp32 patch applies."""
+    """The same, on a CPU that looks like one with AMX to vLLM's INT8 kernel and unquantized GEMM dispatch
+    alone: vLLM takes its sgl paths (``qurl_testkit/sgl_stand_in.py`` stands in for the AMX ops: the INT8
+    linears' and the small bf16 GEMMs', such as the tied lm_head) and the fp32 patch applies."""
 
     @classmethod
     def _install_cpu_patches(cls) -> None:
-        import sgl_int8_stand_in
-
-        sgl_int8_stand_in.install_ops()
-        sgl_int8_stand_in.force_choice()
+        force_amx_int8_choice()
         vllm_cpu_int8_fp32_onednn.applies = lambda: True
         super()._install_cpu_patches()
 

@@ -1,4 +1,4 @@
-"""verl's own `python -m verl.trainer.main_ppo` on CPU, through the tiny CPU recipe.
+"""verl's own ``python -m verl.trainer.main_ppo`` on CPU, through the tiny CPU recipe, under a deadline.
 
 Every run has a deadline well under CI's 90 minutes. The recipe runs in a session of its own;
 when the deadline passes, or once the recipe has exited, every process left in that session or
@@ -7,6 +7,10 @@ engine processes) is ended: SIGTERM, then SIGKILL after a grace period. Ray may 
 into a process group of its own (``setpgrp`` before starting its reaper, on kernels without
 fate-sharing), so a ``killpg`` of the recipe's group is not enough: the session holds them all.
 ``ray stop --force`` is not used: it ends every Ray process on the machine, other runs' included.
+
+``RecipeInputs``: the tiny model and the arithmetic data, built once and shared by every run of a test
+session (``MODEL_DIR`` / ``DATA_DIR``), with one UAQ cache (``QURL_CACHE_DIR``), so each run pays only for
+what is its own.
 """
 from __future__ import annotations
 
@@ -16,12 +20,12 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "recipes" / "tiny_cpu" / "run.sh"
 TERM_GRACE_S = 15
 LOG_TAIL_CHARS = 6000
@@ -92,6 +96,8 @@ def run_in_own_session(cmd: list[str], env: dict, log_dir: Path, timeout: float,
             end_processes(leftovers, grace_s)
     stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
     if timed_out:
+        import pytest
+
         pytest.fail(
             f"{' '.join(cmd)} ran past its {timeout:.0f} s deadline and was ended "
             f"({time.monotonic() - start:.0f} s).\n--- stdout tail ---\n{stdout[-LOG_TAIL_CHARS:]}"
@@ -101,8 +107,14 @@ def run_in_own_session(cmd: list[str], env: dict, log_dir: Path, timeout: float,
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def run_recipe(out: Path, steps: int, *overrides: str, preset: str = "int8", timeout: int = 900) -> tuple[subprocess.CompletedProcess, list[dict]]:
+def run_recipe(out: Path, steps: int, *overrides: str, preset: str = "int8", timeout: int = 900,
+               inputs: RecipeInputs | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """``recipes/tiny_cpu/run.sh`` with ``overrides``, its outputs in ``out``; (the process, the metrics rows).
+    ``inputs``: a model, data and UAQ cache built earlier (the recipe builds its own under ``out`` otherwise;
+    a ``MODEL_DIR`` in the environment still wins)."""
     env = {**os.environ, "OUT": str(out), "STEPS": str(steps), "PRESET": preset, "PYTHON": sys.executable}
+    if inputs is not None:
+        env = {**inputs.env(), **env}
     proc = run_in_own_session(["bash", str(RUN), *overrides], env, out, timeout)
     (out / "run.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     metrics_file = out / "metrics.jsonl"
@@ -110,69 +122,30 @@ def run_recipe(out: Path, steps: int, *overrides: str, preset: str = "int8", tim
     return proc, rows
 
 
-@pytest.mark.e2e
-def test_grpo_with_stock_vllm_rollout(tmp_path):
-    proc, rows = run_recipe(tmp_path, 2, preset="none")
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert len(rows) == 2
-    assert all(r["actor/grad_norm"] > 0 for r in rows), [r["actor/grad_norm"] for r in rows]
-    # after the first weight sync the bf16 engine must serve the trainer's weights
-    assert rows[-1]["training/rollout_probs_diff_max"] < 0.05, rows[-1]["training/rollout_probs_diff_max"]
-    assert "[summary] steps: 2" in proc.stdout
+@dataclass(frozen=True)
+class RecipeInputs:
+    """The recipe's default model and data, and a UAQ cache, under ``root``, built once."""
 
+    root: Path
 
-@pytest.mark.e2e
-def test_bad_model_path_fails_in_the_driver_with_one_message(tmp_path):
-    proc, rows = run_recipe(tmp_path, 1, f"actor_rollout_ref.model.path={tmp_path}/missing", timeout=300)
-    assert proc.returncode != 0 and rows == []
-    err = proc.stdout + proc.stderr
-    assert f"actor_rollout_ref.model.path={tmp_path}/missing does not exist" in err
-    assert "ray init kwargs" not in err  # failed before Ray started
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "model"
 
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
 
-@pytest.mark.e2e
-def test_int8_rollout_with_acr_and_uaq(tmp_path):
-    """The README's demo: `+qurl=int8` (INT8 W8A8 rollout re-quantized every step, ACR loss, UAQ)."""
-    proc, rows = run_recipe(tmp_path, 3, preset="int8")
-    assert_int8_acr_uaq_run(proc, rows, steps=3)
+    def build(self) -> RecipeInputs:
+        """What ``run.sh`` would build under its ``OUT`` (same modules, same arguments)."""
+        if not (self.model_dir / "config.json").exists():
+            subprocess.run([sys.executable, "-m", "qurl_recipes.tiny_model", "--out", str(self.model_dir)],
+                           check=True, stdout=subprocess.DEVNULL, timeout=600)
+        if not (self.data_dir / "train.parquet").exists():
+            subprocess.run([sys.executable, "-m", "qurl_recipes.data.arithmetic", "--out", str(self.data_dir)],
+                           check=True, stdout=subprocess.DEVNULL, timeout=600)
+        return self
 
-
-def assert_int8_acr_uaq_run(proc, rows: list[dict], steps: int) -> None:
-    """What every step of a `+qurl=int8` run logs, and what it must show."""
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
-    assert len(rows) == steps
-    log = proc.stdout + proc.stderr
-    assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in log
-    for r in rows:
-        assert r["actor/grad_norm"] > 0
-        # the mismatch between the INT8 behaviour policy and the bf16 proximal policy is measured and small
-        assert 0 <= r["actor/qurl/kl_behav_prox_k3"] < 0.05
-        assert 1.0 <= r["actor/qurl/w_max"] < 2.0
-        # every step re-quantizes and reloads the engine, and says what it cost and what changed
-        assert r["actor/qurl/sync/total_s"] > 0 and r["actor/qurl/sync/quantized"] > 0
-    # verl logs what update_actor returns under actor/; from the second sync on (step 1's loss sees
-    # only the initial sync) the code-change rate is there too
-    for r in rows[1:]:
-        assert 0.0 <= r["actor/qurl/update/changed_code_frac"] <= 1.0
-    # after an optimizer step at lr 1e-3 some INT8 codes must move (the weight-update problem, measured)
-    assert rows[-1]["actor/qurl/update/changed_code_frac"] > 0
-
-
-STUBBORN_DRIVER = """
-import os, signal, sys, time
-os.setpgrp()  # what Ray's driver does: out of the recipe's process group, still in its session
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-print("driver", os.getpid(), flush=True)
-time.sleep(600)
-"""
-
-
-def test_a_run_past_its_deadline_fails_and_leaves_nothing_behind(tmp_path):
-    """The no-hang guarantee itself (seconds): a driver that left the group and ignores SIGTERM."""
-    (tmp_path / "driver.py").write_text(STUBBORN_DRIVER)
-    script = f"{sys.executable} {tmp_path / 'driver.py'} & sleep 600; wait"
-    with pytest.raises(pytest.fail.Exception, match="deadline") as failure:
-        run_in_own_session(["bash", "-c", script], dict(os.environ), tmp_path, timeout=3, grace_s=1)
-    driver_pid = int((tmp_path / "stdout.log").read_text().split()[1])
-    assert "driver" in str(failure.value)
-    assert not psutil.pid_exists(driver_pid) or psutil.Process(driver_pid).status() == psutil.STATUS_ZOMBIE
+    def env(self) -> dict[str, str]:
+        return {"MODEL_DIR": str(self.model_dir), "DATA_DIR": str(self.data_dir),
+                "QURL_CACHE_DIR": str(self.root / "cache")}

@@ -21,16 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent  # the vLLM worker imports qurl_reload_probe from here
+REPO = Path(__file__).resolve().parents[1]  # the vLLM worker imports qurl_testkit.reload_probe from here
 JOB_ID = f"qurl-test-{uuid.uuid4().hex[:8]}"
 
 
 def engine_env() -> dict[str, str]:
     """What the engine's processes inherit: verl's CPU platform (as a CPU run of main_ppo sets),
-    a ZMQ socket name of our own, a small KV cache, and import paths for the test extensions and the
-    stand-ins they load (``tests/``)."""
-    paths = (str(REPO), str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH"))
+    a ZMQ socket name of our own, a small KV cache, and the import path of the test extensions and the
+    stand-ins they load (``qurl_testkit``)."""
+    paths = (str(REPO), os.environ.get("PYTHONPATH"))
     return {
         "VERL_PLATFORM": "cpu",
         "QURL_VLLM_LAYERWISE_RELOAD": "1",  # as the qurl_vllm server marks its engines

@@ -1,0 +1,196 @@
+"""What the ``main_ppo`` runs of ``test_main_ppo_runs.py`` assert: one function per feature, each reading the run's
+metrics rows (verl's file logger) and log, so that a run can carry the checks of several features."""
+from __future__ import annotations
+
+import math
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+FP8_KV = "+actor_rollout_ref.rollout.custom.qurl.kv_cache=fp8"
+LORA = ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16")
+LINEARS = 14  # 7 projections x 2 layers of the tiny dense model, verl's default LoRA target_modules=all-linear
+LAYERS = 2  # the tiny models'
+MOE_ATTENTION_PROJECTIONS = 2 * 4  # 2 layers x q/k/v/o: all the MoE model runs in 8 bits
+KL_BOUND = 0.05  # KL(behav||prox) k3 of an 8-bit rollout of the tiny model: measured ~1e-4, a wrong model is > 0.1
+
+
+@dataclass(frozen=True)
+class RunResult:
+    proc: subprocess.CompletedProcess
+    rows: list[dict]
+    steps: int
+    uaq_dir: Path  # where the driver wrote the UAQ-converted checkpoint
+    fp8_kv: bool  # the run had the FP8 KV cache
+
+    @property
+    def log(self) -> str:
+        return self.proc.stdout + self.proc.stderr
+
+    def assert_completed(self) -> None:
+        assert self.proc.returncode == 0, (self.proc.stdout[-3000:], self.proc.stderr[-6000:])
+        assert len(self.rows) == self.steps, self.rows
+        assert f"[summary] steps: {self.steps}" in self.proc.stdout
+
+
+def fp8_kv_cache_on_this_cpu() -> bool:
+    """vLLM-CPU's FP8 KV path: x86 with AVX-512 or AMX (``check_fp8_kv_cache``)."""
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def stock_run_trained(r: RunResult) -> None:
+    assert all(row["actor/grad_norm"] > 0 for row in r.rows), [row["actor/grad_norm"] for row in r.rows]
+    # after the first weight sync the bf16 engine must serve the trainer's weights
+    assert r.rows[-1]["training/rollout_probs_diff_max"] < 0.05, r.rows[-1]["training/rollout_probs_diff_max"]
+
+
+def qurl_int8_trained(r: RunResult) -> None:
+    """Every step of an 8-bit run trains, measures a small mismatch and re-quantizes."""
+    for row in r.rows:
+        assert row["actor/grad_norm"] > 0, row
+        assert math.isfinite(row["actor/qurl/kl_behav_prox_k3"]) and 0 <= row["actor/qurl/kl_behav_prox_k3"] < KL_BOUND, row
+        assert row["actor/qurl/sync/total_s"] > 0 and row["actor/qurl/sync/quantized"] > 0, row
+
+
+def int8_acr_uaq_run(r: RunResult) -> None:
+    """The README's demo: `+qurl=int8` (INT8 W8A8 rollout re-quantized every step, ACR loss, UAQ)."""
+    assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in r.log
+    qurl_int8_trained(r)
+    for row in r.rows:
+        assert 1.0 <= row["actor/qurl/w_max"] < 2.0, row
+    # verl logs what update_actor returns under actor/; from the second sync on (step 1's loss sees only the
+    # initial sync) the code-change rate is there too, and after an optimizer step at lr 1e-3 codes move
+    for row in r.rows[1:]:
+        assert 0.0 <= row["actor/qurl/update/changed_code_frac"] <= 1.0, row
+    assert r.rows[-1]["actor/qurl/update/changed_code_frac"] > 0
+
+
+def kv_scales_streamed(r: RunResult) -> None:
+    """FP8 KV cache: step 1 generates with vLLM's scale 1.0 (none streamed yet); every later sync carries the
+    scales of both layers from the actor's training forwards, below 1 (the tiny model's K and V stay far below
+    448 / 2). Where vLLM-CPU has no FP8 KV cache the run went on without it and there is nothing to check."""
+    if not r.fp8_kv:
+        return
+    first = r.rows[0]
+    assert first["actor/qurl/sync/kv_scale_layers_streamed"] == 0, first
+    assert first["actor/qurl/sync/kv_scale_k_max"] == first["actor/qurl/sync/kv_scale_v_min"] == 1.0, first
+    for row in r.rows[1:]:
+        assert row["actor/qurl/sync/kv_scale_layers_streamed"] == LAYERS, row
+        for part in ("k", "v"):
+            low, high = row[f"actor/qurl/sync/kv_scale_{part}_min"], row[f"actor/qurl/sync/kv_scale_{part}_max"]
+            assert 0 < low <= high < 1, (part, low, high)
+
+
+def critic_trained(r: RunResult) -> None:
+    """PPO with a GAE critic (the paper's first-table setting) beside the INT8 rollout and its loss."""
+    qurl_int8_trained(r)
+    for row in r.rows:  # the critic is trained every step (critic_warmup 0) and its values feed GAE
+        assert math.isfinite(row["critic/vf_loss"]) and row["critic/vf_loss"] >= 0, row
+        assert 0.0 <= row["critic/vf_clipfrac"] <= 1.0, row
+        assert row["critic/grad_norm"] > 0 and row["critic/lr"] == pytest.approx(1.0e-3), row
+        for key in ("critic/values/mean", "critic/vf_explained_var", "critic/returns/mean", "critic/advantages/mean"):
+            assert math.isfinite(row[key]), (key, row)
+
+
+def padded_vocab_synced_quietly(r: RunResult) -> None:
+    """A vocabulary that is not a multiple of 64 (vLLM pads the embedding) syncs every step, and the log is free
+    of the per-sync loader noise (dtype warnings, the RoPE cache's "Failed to load weights") a user would read as
+    errors."""
+    for row in r.rows:
+        assert row["actor/qurl/sync/total_s"] > 0 and row["actor/qurl/sync/quantized"] > 0, row
+    assert "did not cover these layers" not in r.log
+    assert "Attempted to load weight" not in r.log and "Failed to load weights" not in r.log
+
+
+def lora_adapter_syncs(r: RunResult) -> None:
+    """Adapters (verl's default, ``lora.merge=false``): the base goes to the engine once, quantized by the qurl
+    stream at step 1 (that step's row reports both syncs); every later step syncs only the rank-8 adapters,
+    which vLLM's LoRA layers add to the INT8 linears' output. UAQ, which the preset enables, is skipped."""
+    assert "[qurl] UAQ skipped: with LoRA adapters" in r.log and "UAQ (s=1.5" not in r.log
+    assert "LoRA adapters: the base is quantized once" in r.log and "INT8 linears run" in r.log
+    for row in r.rows:
+        assert row["actor/grad_norm"] > 0, row
+        # INT8 base + adapters against the trainer's base + the same adapters: a small, measured mismatch
+        assert 0 < row["actor/qurl/kl_behav_prox_k3"] < KL_BOUND, row
+        assert "actor/qurl/update/changed_code_frac" not in row  # the tracker is off: no code ever changes
+    first = r.rows[0]
+    assert first["actor/qurl/sync/quantized"] == LINEARS and first["actor/qurl/sync/base_frozen"] == 0, first
+    assert first["actor/qurl/sync/tensors_in"] > 2 * LINEARS, first
+    for row in r.rows[1:]:  # the adapters only (A and B of every linear), the 8-bit base untouched
+        assert row["actor/qurl/sync/base_frozen"] == 1 and row["actor/qurl/sync/quantized"] == 0, row
+        assert row["actor/qurl/sync/tensors_in"] == 2 * LINEARS, row
+
+
+def merged_lora_requantized(r: RunResult) -> None:
+    """``lora.merge=true``: verl merges the adapters into the weights it syncs; W + BA is re-quantized every
+    step as in full fine-tuning, and the trained adapters move the 8-bit codes."""
+    for row in r.rows:
+        assert 0 <= row["actor/qurl/kl_behav_prox_k3"] < KL_BOUND, row
+        assert row["actor/qurl/sync/quantized"] == LINEARS and row["actor/grad_norm"] > 0, row
+        assert row["actor/qurl/sync/base_frozen"] == 0, row
+    assert 0 < r.rows[-1]["actor/qurl/update/changed_code_frac"] <= 1
+
+
+def moe_rollout(r: RunResult) -> None:
+    """The tiny Qwen3-MoE: verl's FSDP2 actor streams its experts per expert; the engine runs INT8 attention with
+    full-precision routers and experts, re-built every step."""
+    assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in r.log  # UAQ on MoE: q/k/v only
+    assert "[qurl] MoE rollout in int8:" in r.log and "routed experts in full precision" in r.log
+    for row in r.rows:
+        assert row["actor/grad_norm"] > 0, row
+        assert row["actor/qurl/sync/quantized"] == MOE_ATTENTION_PROJECTIONS, row
+        assert 0 < row["actor/qurl/sync/quantized_frac"] < 0.5, row  # the experts stay in full precision
+        # verl's own comparison of the two policies' token probabilities, and qurl's KL, at quantization scale
+        assert row["training/rollout_probs_diff_max"] < 0.05, row
+        assert 0 <= row["actor/qurl/kl_behav_prox_k3"] < 0.01, row
+    assert r.rows[-1]["actor/qurl/update/changed_code_frac"] > 0  # step 2's sync re-quantized new weights
+
+
+def unsharded_checksum(uaq_dir: Path) -> int:
+    """The stream checksum of a run's first sync, computed here from the checkpoint the actor started from (the
+    UAQ-converted copy the driver wrote, read whole): what FSDP ranks must have gathered and sent."""
+    from transformers import AutoModelForCausalLM
+
+    from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
+    from qurl_verl.settings import RolloutSettings
+    from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES
+
+    (checkpoint,) = uaq_dir.iterdir()
+    state = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    engine_dtypes = {name: torch.bfloat16 for name in state}  # the rollout's dtype, for pass-through tensors
+    stream = WeightStreamQuantizer(RolloutSettings(format="int8"), param_dtypes=engine_dtypes,
+                                   skip=frozenset(TIED_LM_HEAD_NAMES))
+    stream.transform(state.items())
+    return stream.stats.checksum
+
+
+def replica_checksums(row: dict) -> dict[str, float]:
+    return {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("actor/qurl/sync/checksum/")}
+
+
+def tp2_ranks_agree(r: RunResult) -> None:
+    """One replica of two TP ranks fed by two FSDP ranks: no ``VLLM_CPU_OMP_THREADS_BIND`` from the user (the
+    server binds its ranks); each sync reports two ranks that received the same bits (``combine_ranks`` logs
+    any disagreement; with the FP8 KV cache the two FSDP ranks' K/V ranges differ until all-reduced, so the
+    same scales on both TP ranks is the all-reduce at work), at step 1 those of the whole checkpoint."""
+    qurl_int8_trained(r)
+    assert all(row["actor/qurl/sync/ranks"] == 2 for row in r.rows), [row.get("actor/qurl/sync/ranks") for row in r.rows]
+    assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in r.log  # the server bound its two ranks
+    assert "ranks disagree" not in r.log
+    assert replica_checksums(r.rows[0]) == {"replica_0": unsharded_checksum(r.uaq_dir)}
+
+
+def replicas_agree_across_nodes(r: RunResult) -> None:
+    """Two Ray nodes, one FSDP rank and one rollout replica each: the CPU platform reached the workers and the
+    metrics the driver's shell named were written; both replicas hold the same codes at every sync, new ones
+    at the next, and at step 1 those of the whole masters (FSDP2 gathered them)."""
+    qurl_int8_trained(r)
+    sums = [replica_checksums(row) for row in r.rows]
+    assert all(set(s) == {"replica_0", "replica_1"} for s in sums), sums
+    assert all(s["replica_0"] == s["replica_1"] for s in sums), sums
+    assert sums[0]["replica_0"] != sums[1]["replica_0"], sums
+    assert sums[0]["replica_0"] == unsharded_checksum(r.uaq_dir), sums
+    assert all(row["actor/qurl/sync/ranks"] == 1 for row in r.rows)
