@@ -29,7 +29,8 @@ def engine_env() -> dict[str, str]:
     """What the engine's processes inherit: verl's CPU platform (as a CPU run of main_ppo sets),
     a ZMQ socket name of our own, a small KV cache, and the import path of the test extensions and the
     stand-ins they load (``qurl_testkit``)."""
-    paths = (str(REPO), os.environ.get("PYTHONPATH"))
+    # the repository (qurl_testkit.reload_probe), and tests/integration for the probes a test module defines
+    paths = (str(REPO), str(REPO / "tests" / "integration"), os.environ.get("PYTHONPATH"))
     return {
         "VERL_PLATFORM": "cpu",
         "QURL_VLLM_LAYERWISE_RELOAD": "1",  # as the qurl_vllm server marks its engines

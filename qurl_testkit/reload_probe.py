@@ -12,8 +12,10 @@ from qurl_verl.patches.vllm_cpu_worker import (
     vllm_cpu_onednn_scale_keepalive,
     vllm_cpu_tied_lm_head_refresh,
 )
+from qurl_verl.patches.vllm_cpu_worker.vllm_cpu_int8_saturation import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
 from qurl_verl.rollout import int8_gemm_report
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
+from qurl_verl.tied_lm_head import tied_output_embedding
 
 
 def force_amx_int8_choice() -> None:
@@ -217,3 +219,101 @@ class ShardProbeWorkerExtension(QurlWorkerExtension):
     def probe_broken(self) -> str | None:
         """Why this rank refuses syncs (an earlier one failed), or None."""
         return self._qurl_broken
+
+
+# ---------------------------------------------------------------------------------------------
+# a level-2 sleep simulated on vLLM-CPU (tests/integration/test_qurl_vllm_reload.py)
+
+# Objects hanging off a module that may keep tensors outside its parameters and buffers.
+_TENSOR_OWNERS = ("quant_method", "scheme")
+# The INT8 kernel's tensors for each CPU GEMM path (``vllm_cpu_int8_saturation``): those of a path
+# the kernel no longer runs (the split path, chosen at start-up for the dummy weights' -128 codes)
+# stay behind, never read again.
+_PATH_TENSORS = {SPLIT_SCALE_ATTR: "onednn_split", PACKED_ATTR: "avx2_packed"}
+
+
+def _read_by_forward(owner, attr: str) -> bool:
+    """False only for an INT8 kernel's tensor of a GEMM path the kernel no longer runs."""
+    path = _PATH_TENSORS.get(attr)
+    return path is None or getattr(owner, INT8_PATH_ATTR, None) == path
+
+
+def _held_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor the model holds but its KV cache, by a readable label: ``parameter <name>``,
+    ``buffer <name>``, and ``attribute``/``unread`` for tensor attributes (also inside tuples) of
+    the modules, their quantization method and scheme and the scheme's kernel (``unread``: left by
+    a GEMM path the kernel no longer runs). Each tensor once (a tied Parameter under its first
+    name). The KV cache is not weights: each request writes its blocks before reading them."""
+    held: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def add(label: str, t) -> None:
+        if isinstance(t, torch.Tensor) and not t.is_meta and id(t) not in seen:
+            seen.add(id(t))
+            held[label] = t
+
+    for name, p in model.named_parameters():
+        add(f"parameter {name}", p)
+    for name, b in model.named_buffers():
+        add(f"buffer {name}", b)
+    for name, module in model.named_modules():
+        owners = {"": module, **{f".{a}": getattr(module, a, None) for a in _TENSOR_OWNERS}}
+        owners[".scheme.kernel"] = getattr(owners[".scheme"], "kernel", None)
+        for suffix, owner in owners.items():
+            for attr, value in (vars(owner) if owner is not None and hasattr(owner, "__dict__") else {}).items():
+                if attr in ("_parameters", "_buffers", "_modules", "kv_cache"):
+                    continue
+                kind = "attribute" if _read_by_forward(owner, attr) else "unread"
+                for i, t in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+                    add(f"{kind} {name}{suffix}.{attr}[{i}]", t)
+    return held
+
+
+@torch.no_grad()
+def _garble(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Overwrite in place with what freed memory may hold: NaN floats, random integer codes."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.copy_(torch.randint(0, 2, t.shape, generator=gen).bool())
+    else:
+        info = torch.iinfo(t.dtype)
+        t.copy_(torch.randint(max(info.min, -2**31), min(info.max, 2**31 - 1), t.shape, generator=gen).to(t.dtype))
+
+
+class Level2SleepProbe(QurlWorkerExtension):
+    """The production extension, plus a simulated level-2 sleep and a record of the model's tensors."""
+
+    def probe_kv_cache_scales(self) -> dict[str, list[float]]:
+        """Mean of each attention layer's q/k/v/prob KV-cache scale tensors."""
+        return {name: [float(getattr(m, a).float().mean()) for a in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale")]
+                for name, m in self.model_runner.model.named_modules() if hasattr(m, "_k_scale")}
+
+    def probe_ties_lm_head(self) -> bool:
+        return tied_output_embedding(self.model_runner.model) is not None
+
+    def probe_snapshot(self) -> int:
+        self._probe_snapshot = {k: t.detach().clone() for k, t in _held_tensors(self.model_runner.model).items()}
+        return len(self._probe_snapshot)
+
+    def probe_changed_since_snapshot(self) -> list[str]:
+        """Labels whose tensor is not bit-identical to the snapshot (or that appeared or vanished)."""
+        now = _held_tensors(self.model_runner.model)
+        snap = self._probe_snapshot
+        differ = [k for k in now.keys() & snap.keys()
+                  if now[k].dtype != snap[k].dtype or now[k].shape != snap[k].shape
+                  or not torch.equal(now[k].detach(), snap[k])]
+        return sorted(differ + list(now.keys() ^ snap.keys()))
+
+    def probe_level2_sleep(self) -> dict[str, int]:
+        """``sleep(level=2)`` then ``wake_up()`` as vLLM's GPU worker does them, on the host."""
+        model = self.model_runner.model
+        saved = {name: b.cpu().clone() for name, b in model.named_buffers()}  # sleep: buffers to the host
+        held = _held_tensors(model)
+        gen = torch.Generator().manual_seed(2)
+        for t in held.values():  # the freed weight memory, mapped again on wake-up, uninitialized
+            _garble(t.data, gen)
+        for name, b in model.named_buffers():  # wake_up: buffers back
+            b.data.copy_(saved[name])
+        kinds = [label.split(" ", 1)[0] for label in held]
+        return {kind: kinds.count(kind) for kind in ("parameter", "buffer", "attribute", "unread")}

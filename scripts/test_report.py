@@ -3,7 +3,7 @@
 Usage: python scripts/test_report.py [--slowest N] REPORT.xml [REPORT.xml ...]
 Each file is one stack (its name without .xml labels it); a missing file is reported as not run.
 Prints, per stack: tests, failures, errors, skipped and seconds, split by layer (tests/<layer>/...);
-then the N slowest tests of all stacks together. Standard library only (any Python runs it).
+then the N slowest tests of all stacks together, and one closing line with the counts of all stacks. Standard library only (any Python runs it).
 """
 from __future__ import annotations
 
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[tests] slowest {args.slowest}:")
         for c in sorted(everything, key=lambda c: -c["seconds"])[: args.slowest]:
             print(f"  {c['seconds']:7.1f} s  {c['stack']:8s} {c['outcome']:7s} {c['id']}")
+    outcomes = [c["outcome"] for c in everything]
+    failed = outcomes.count("failure") + outcomes.count("error")
+    print(f"total: {outcomes.count('passed')} passed, {failed} failed, {outcomes.count('skipped')} skipped")
     return 0
 
 

@@ -136,16 +136,18 @@ def merged_lora_requantized(r: RunResult) -> None:
 
 def moe_rollout(r: RunResult) -> None:
     """The tiny Qwen3-MoE: verl's FSDP2 actor streams its experts per expert; the engine runs INT8 attention with
-    full-precision routers and experts, re-built every step."""
+    full-precision routers and experts, re-built every step. verl's own comparison of the two policies' token
+    probabilities, and qurl's KL, stay at quantization scale."""
     assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in r.log  # UAQ on MoE: q/k/v only
     assert "[qurl] MoE rollout in int8:" in r.log and "routed experts in full precision" in r.log
     for row in r.rows:
         assert row["actor/grad_norm"] > 0, row
         assert row["actor/qurl/sync/quantized"] == MOE_ATTENTION_PROJECTIONS, row
         assert 0 < row["actor/qurl/sync/quantized_frac"] < 0.5, row  # the experts stay in full precision
-        # verl's own comparison of the two policies' token probabilities, and qurl's KL, at quantization scale
         assert row["training/rollout_probs_diff_max"] < 0.05, row
-        assert 0 <= row["actor/qurl/kl_behav_prox_k3"] < 0.01, row
+        # INT8 attention alone: < 0.01; an FP8 KV cache adds its own mismatch (vLLM-CPU rounds K and V
+        # toward zero), so such a run has the bound of any 8-bit run
+        assert 0 <= row["actor/qurl/kl_behav_prox_k3"] < (KL_BOUND if r.fp8_kv else 0.01), row
     assert r.rows[-1]["actor/qurl/update/changed_code_frac"] > 0  # step 2's sync re-quantized new weights
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_study_recipe_runs_seeds_in_parallel_and_reports(tmp_path):
+def test_study_recipe_runs_seeds_in_parallel_and_reports_and_the_long_horizon_adds_its_section(tmp_path):
+    """`make study` at toy size, run twice (the second keeps the finished runs), then `make study-long`
+    (LONG_HORIZON=1) into the same REPORT_DIR: its own runs, and a section added to the existing report."""
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"), REPORT_DIR=str(tmp_path / "report"),
                STEPS="2", SFT_STEPS="4", VARIANTS="bf16 acr_uaq acr_per_group_lr", SEEDS="1 2")
     small = ["--n-val", "4", "--prompts-per-step", "2", "--group-size", "2", "--max-response-tokens", "8",
@@ -29,21 +31,11 @@ def test_study_recipe_runs_seeds_in_parallel_and_reports(tmp_path):
     assert again.returncode == 0
     assert "finished earlier, kept" in (tmp_path / "out" / "seed1.log").read_text()
 
-
-def test_long_horizon_recipe_adds_its_section_to_the_existing_report(tmp_path):
-    """LONG_HORIZON=1 (`make study-long`): its own runs, and a section added to the report in REPORT_DIR."""
-    small = ["--n-val", "4", "--prompts-per-step", "2", "--group-size", "2", "--max-response-tokens", "8",
-             "--n-train", "4"]
-    base = dict(os.environ, PYTHON=sys.executable, REPORT_DIR=str(tmp_path / "report"), SFT_STEPS="4", SEEDS="1 2")
-    short = subprocess.run(["bash", str(REPO / "recipes/tiny_cpu/study/run.sh"), *small],
-                           env=dict(base, OUT=str(tmp_path / "out"), STEPS="2", VARIANTS="bf16 tis"),
-                           capture_output=True, text=True, timeout=600)
-    assert short.returncode == 0, short.stdout[-3000:] + short.stderr[-3000:]
+    # LONG_HORIZON=1 (`make study-long`): its own runs, and a section added to the report in REPORT_DIR
     before = json.loads((tmp_path / "report" / "results.json").read_text())
     md_before = (tmp_path / "report" / "results.md").read_text()
-
     long = subprocess.run(["bash", str(REPO / "recipes/tiny_cpu/study/run.sh"), *small],
-                          env=dict(base, LONG_HORIZON="1", OUT=str(tmp_path / "out_long"), STEPS="3"),
+                          env=dict(env, LONG_HORIZON="1", OUT=str(tmp_path / "out_long"), STEPS="3", VARIANTS=""),
                           capture_output=True, text=True, timeout=600)
     assert long.returncode == 0, long.stdout[-3000:] + long.stderr[-3000:]
     # the long-horizon default variants ran, each for the long runs' own number of steps
