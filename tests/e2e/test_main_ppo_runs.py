@@ -67,9 +67,15 @@ def critic_overrides(model: str) -> tuple[str, ...]:
 
 
 def padded_vocab_model(folder: Path) -> Path:
+    """The tiny model with a 520-token tokenizer and ``vocab_size=520`` (a checkpoint resized to
+    ``len(tokenizer)``): vLLM pads the embedding to 576 rows, which every sync must accept."""
+    import json
+
     from qurl_recipes.tiny_model import TinyModelSpec, build_tiny_model
 
-    return build_tiny_model(folder, TinyModelSpec(vocab_size=VOCAB_PADDED))
+    model = build_tiny_model(folder, TinyModelSpec(vocab_size=VOCAB_PADDED))
+    assert json.loads((model / "config.json").read_text())["vocab_size"] == VOCAB_PADDED
+    return model
 
 
 def moe_model(folder: Path) -> Path:
