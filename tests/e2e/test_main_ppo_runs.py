@@ -208,10 +208,15 @@ def test_driver_refusals_of_recipe_command_lines(overrides, message, recipe_inpu
     """The tiny recipe's command line (``+qurl_recipe=tiny_cpu +qurl=int8``) with a setting the driver refuses,
     composed as verl's CLI composes it and validated by verl's own ``validate_config`` (which runs the qurl
     hook), in this process: the error ``main_ppo`` would stop with, naming the fix."""
+    from verl.plugin.platform import platform_manager
+
     from qurl_recipes.compose import compose_ppo_config, validate_like_main_ppo
+    from qurl_verl.platform.cpu import PlatformCPU
     from qurl_verl.settings import QurlConfigError
 
+    # what the recipe's VERL_PLATFORM=cpu gives main_ppo, whatever platform this process resolved before
     monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    monkeypatch.setattr(platform_manager, "_current_platform", PlatformCPU())
     monkeypatch.setenv("QURL_CACHE_DIR", str(recipe_inputs.root / "cache"))
     data = recipe_inputs.data_dir
     cfg = compose_ppo_config(["+qurl_recipe=tiny_cpu", "+qurl=int8", f"actor_rollout_ref.model.path={recipe_inputs.model_dir}",
