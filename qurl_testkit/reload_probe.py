@@ -19,11 +19,13 @@ from qurl_verl.tied_lm_head import tied_output_embedding
 
 
 def force_amx_int8_choice() -> None:
-    """vLLM decides its sgl (AMX) paths as on an AMX CPU, with ``qurl_testkit/sgl_stand_in.py`` for their ops."""
+    """vLLM decides its sgl (AMX) paths as on an AMX CPU, with ``qurl_testkit/sgl_stand_in.py`` for their ops,
+    and ``vllm_cpu_int8_fp32_onednn``'s predicate (AMX tiles present) answers as there."""
     from qurl_testkit import sgl_stand_in
 
     sgl_stand_in.install_ops()
     sgl_stand_in.force_choice()
+    vllm_cpu_int8_fp32_onednn.applies = lambda: True
 
 
 class ProbeWorkerExtension(QurlWorkerExtension):
@@ -36,7 +38,6 @@ class ProbeWorkerExtension(QurlWorkerExtension):
     @classmethod
     def _install_cpu_patches(cls) -> None:
         force_amx_int8_choice()
-        vllm_cpu_int8_fp32_onednn.applies = lambda: True
         vllm_cpu_int8_fp32_onednn.apply()
 
     def _refresh_after_reload(self, model) -> None:
@@ -180,7 +181,6 @@ class ForcedAmxInt8WorkerExtension(Int8GemmProbeWorkerExtension):
     @classmethod
     def _install_cpu_patches(cls) -> None:
         force_amx_int8_choice()
-        vllm_cpu_int8_fp32_onednn.applies = lambda: True
         super()._install_cpu_patches()
 
 
