@@ -26,8 +26,8 @@ demo: venv
 
 # Both stacks run whatever the first gives; then each stack's totals and the slowest tests, read from the
 # JUnit files pytest writes (outputs/test-reports/); `make test` fails if lint or either stack failed.
-# The 0.24 venv is built while the 0.32 stack runs (an install waits on the network and the disk, the
-# tests on the CPU); its log is printed if it fails.
+# What waits on the network and the disk runs beside the 0.32 stack, which waits on the CPU: the 0.24
+# venv's build (its log printed if it fails) and tests/install (pip resolving from the public index).
 REPORTS := outputs/test-reports
 TIMED = --durations=25 --junitxml=$(REPORTS)/$(1).xml
 
@@ -35,8 +35,10 @@ test: lint
 	@rm -f $(REPORTS)/*.xml; mkdir -p $(REPORTS); status=0; start=$$(date +%s); \
 	( bash scripts/install_cpu_stack.sh 0.24 > $(REPORTS)/install-vllm024.log 2>&1; \
 	  echo $$? > $(REPORTS)/install-vllm024.rc ) & installing=$$!; \
-	$(MAKE) --no-print-directory test-vllm032 || status=1; \
+	( $(PY) -m pytest tests/install -ra $(call TIMED,install) > $(REPORTS)/install.log 2>&1 ) & resolving=$$!; \
+	$(MAKE) --no-print-directory test-vllm032 PYTEST_ARGS=--ignore=tests/install || status=1; \
 	echo "[tests] vllm032: $$(( $$(date +%s) - start )) s wall"; \
+	wait $$resolving || { cat $(REPORTS)/install.log; status=1; }; tail -n 1 $(REPORTS)/install.log; \
 	wait $$installing; start=$$(date +%s); \
 	if [ "$$(cat $(REPORTS)/install-vllm024.rc)" != 0 ]; then \
 	  cat $(REPORTS)/install-vllm024.log; echo "[tests] vllm024: the install failed"; status=1; \
@@ -44,7 +46,7 @@ test: lint
 	  $(MAKE) --no-print-directory test-vllm024 || status=1; \
 	  echo "[tests] vllm024: $$(( $$(date +%s) - start )) s wall after its install"; \
 	fi; \
-	python3 scripts/test_report.py $(REPORTS)/vllm032.xml $(REPORTS)/vllm024.xml; \
+	python3 scripts/test_report.py $(REPORTS)/vllm032.xml $(REPORTS)/install.xml $(REPORTS)/vllm024.xml; \
 	exit $$status
 
 # ruff.toml: pyflakes, pycodestyle errors, bugbear, import order, pyupgrade; over the whole repository
@@ -52,7 +54,7 @@ lint: venv
 	.venv/bin/ruff check .
 
 test-vllm032: venv
-	$(PY) -m pytest -ra $(call TIMED,vllm032)
+	$(PY) -m pytest -ra $(call TIMED,vllm032) $(PYTEST_ARGS)
 
 test-vllm024: venv-vllm024
 	$(PY_VLLM024) -m pytest -ra $(call TIMED,vllm024) $(VLLM024_TESTS)

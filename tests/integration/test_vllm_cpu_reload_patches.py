@@ -125,11 +125,13 @@ def test_scale_keepalive_and_tied_lm_head_refresh_are_needed_and_work(probe_engi
     trainer = TrainerWeights(tiny_model_dir)
     prompts = prompt_ids(tiny_model_dir)[:4]
 
-    # No patches: the first reload leaves each oneDNN handler reading a freed weight-scale tensor.
+    # No patches: the first reload leaves each oneDNN handler reading a freed weight-scale tensor. What it reads is
+    # whatever the allocator put there since (NaN, or log-probs off by a median 0.8-1.5 nats, measured), against a
+    # median <= 1e-5 with the patch: "off by more than 0.1 nats" is that difference, whatever the memory held.
     _sync(probe_engine, trainer)
     no_keepalive = _vs_reference(probe_engine, tiny_model_dir, trainer, prompts)
     print("\nno patches:", no_keepalive)
-    assert no_keepalive["nan"] or no_keepalive["mean"] > 1.0, no_keepalive
+    assert no_keepalive["nan"] or no_keepalive["median"] > 0.1, no_keepalive
 
     # Keep-alive (and exact INT8 on saturating CPUs), a clean KV cache (the NaN run poisoned it):
     # finite, but the tied lm_head still computes logits from its prepacked copy of the dummy weights.

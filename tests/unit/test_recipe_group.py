@@ -111,12 +111,13 @@ def test_every_recipe_with_every_preset_from_outside_the_repository(data_root, t
             for preset in [*rc.available_presets(), rc.STOCK_ROLLOUT]:
                 group, qurl = f"+qurl_recipe={recipe}", rc.preset_overrides(preset)
                 extra = [f"actor_rollout_ref.model.path={tiny}"] if recipe == "gsm8k_ppo" else []
-                one = OmegaConf.to_container(compose_ppo_config([group, *qurl, *extra]), resolve=True)
+                composed = rc.compose_recipe([group, *qurl, *extra])  # what check_overrides composes
+                one = OmegaConf.to_container(composed, resolve=True)
                 other = OmegaConf.to_container(compose_ppo_config([*qurl, group, *extra]), resolve=True)
                 row = {"recipe": recipe, "preset": preset, "same_either_order": one == other, "errors": []}
                 for attempt in ([], [f"qurl.uaq.cache_dir={cache}"]):
                     try:
-                        cfg = rc.check_overrides([group, *qurl, *extra, *attempt])
+                        cfg = rc.check_overrides([group, *qurl, *extra, *attempt]) if attempt else rc.check_config(composed)
                     except Exception as e:
                         row["errors"].append(f"{type(e).__name__}: {e}")
                         continue
