@@ -9,6 +9,7 @@ environment behave as if the plugin were not installed.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from qurl_verl.driver.checks import CHECKS, COMPOSITION_CHECKS, Run, refuse_first
@@ -16,6 +17,10 @@ from qurl_verl.driver.prepare import prepare_config, prepare_cpu_int8_gemm, repo
 from qurl_verl.model_info import ModelInfo
 from qurl_verl.platform.host import Host
 from qurl_verl.settings import MODEL_PATH_KEY, QurlSettings, select, uses_qurl
+
+# id(config) -> a weak reference to it, for each config the hook prepared (a DictConfig hashes by its content,
+# which the preparation changes, so not a WeakSet)
+_PREPARED: dict[int, weakref.ref] = {}
 
 
 def on_validate_config(cfg: Any, log=print, host: Host | None = None) -> QurlSettings | None:
@@ -26,7 +31,25 @@ def on_validate_config(cfg: Any, log=print, host: Host | None = None) -> QurlSet
     if settings.uaq_skipped:
         log(settings.uaq_skipped)
     prepare_config(cfg, settings.uaq, log=log)
+    try:
+        _PREPARED[id(cfg)] = weakref.ref(cfg)
+    except TypeError:  # a plain dict: nothing to remember it by
+        pass
     return settings
+
+
+def prepared(cfg: Any) -> bool:
+    """Whether ``on_validate_config`` has checked and prepared this config object in this process."""
+    ref = _PREPARED.get(id(cfg))
+    return ref is not None and ref() is cfg
+
+
+def ensure_prepared(cfg: Any, log=print) -> None:
+    """The driver's checks and preparation for an entry point that starts Ray without verl's ``validate_config``
+    (verl 0.9.1's ``fully_async_policy.fully_async_main`` calls ``run_ppo`` directly): run once, before Ray."""
+    if uses_qurl(cfg) and not prepared(cfg):
+        log("[qurl] this entry point skips verl's validate_config: running qurl-verl's driver checks before Ray starts")
+        on_validate_config(cfg, log=log)
 
 
 def check_config(cfg: Any, log=print, host: Host | None = None) -> QurlSettings:

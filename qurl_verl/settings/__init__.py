@@ -62,6 +62,7 @@ from .loss import (
     LossSettings,
     is_qurl_loss_config_target,
     loss_problems,
+    untruncated_weights_problem,
 )
 from .rollout import (
     DEFAULT_CODE_CHANGE_MAX_MB,
@@ -87,7 +88,7 @@ __all__ = [
     "ROLLOUT_NAME", "ROLLOUT_NAME_KEY", "SUGGESTED_IS_THRESHOLD", "TRAINER_DTYPE_KEY", "UAQ_KEY", "UAQ_KEYS",
     "ExpertsPrecision", "KVCacheFormat", "LossMode", "LossSettings", "QurlConfigError", "QurlSettings", "Requirement",
     "RolloutFormat", "RolloutSettings", "UaqSettings", "cpu_platform_selected", "dry_run", "is_number",
-    "is_qurl_loss_config_target", "lora_adapter_rank", "lora_rank", "loss_problems", "problems", "raise_problems", "select", "show", "uses_qurl",
+    "is_qurl_loss_config_target", "lora_adapter_rank", "lora_rank", "loss_problems", "problems", "raise_problems", "select", "show", "untruncated_weights_problem", "uses_qurl",
 ]
 
 

@@ -118,3 +118,27 @@ def loss_problems(cfg: Any) -> list[str]:
     clip_high = select(cfg, "actor_rollout_ref.actor.clip_ratio_high", select(cfg, "actor_rollout_ref.actor.clip_ratio"))
     settings = LossSettings.from_policy_loss_config(select(cfg, POLICY_LOSS_KEY))
     return problems(cfg, LOSS_REQUIRED) + settings.problems(clip_high)
+
+
+def untruncated_weights_problem(cfg: Any) -> str | None:
+    """A loss other than the qurl ones, handed the quantized presets' untruncated pi_prox / pi_behav.
+
+    The presets set verl's ``rollout_is_threshold`` to 1e9 so that the qurl losses receive the true ratio
+    and truncate it at their own C. A later ``loss_mode`` override (a verl example's ``vanilla`` or ``gspo``)
+    keeps that threshold, and verl's losses multiply by the weights as they come
+    (``verl/trainer/ppo/core_algos.py``: ``pg_losses * rollout_is_weights``): unbounded wherever the 8-bit
+    rollout and the trainer disagree."""
+    loss_mode = select(cfg, LOSS_MODE_KEY)
+    if loss_mode in {m.value for m in LossMode} or select(cfg, f"{_RC}.rollout_is") is None:
+        return None
+    threshold = select(cfg, f"{_RC}.rollout_is_threshold")
+    if not _untruncated_threshold(threshold):
+        return None
+    return (
+        f"{LOSS_MODE_KEY}={show(loss_mode)} with {_RC}.rollout_is_threshold={float(threshold):g}: nothing truncates the "
+        f"importance weight pi_prox/pi_behav, which verl's {show(loss_mode)} loss multiplies into every token's loss "
+        "(the quantized presets leave it untruncated for the qurl losses, which truncate it at their own C). "
+        f"Keep the preset's loss (remove the {LOSS_MODE_KEY} override: qurl_acr, or qurl_tis), or truncate in verl: "
+        f"{_RC}.rollout_is_threshold={DEFAULT_IS_CAP} (verl's token-level TIS)"
+    )
+

@@ -58,6 +58,7 @@ def qurl_int8_trained(r: RunResult) -> None:
 def int8_acr_uaq_run(r: RunResult) -> None:
     """The README's demo: `+qurl=int8` (INT8 W8A8 rollout re-quantized every step, ACR loss, UAQ)."""
     assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in r.log
+    assert "skips verl's validate_config" not in r.log  # main_ppo's hook prepared it: the runtime-env wrapper did nothing
     qurl_int8_trained(r)
     for row in r.rows:
         assert 1.0 <= row["actor/qurl/w_max"] < 2.0, row

@@ -92,3 +92,30 @@ def test_bad_values_are_refused_where_workers_build_the_config():
     with pytest.raises(QurlConfigError, match="is_cap"):
         QurlPolicyLossConfig(loss_mode="qurl_acr", is_cap=0.5)
     assert QurlPolicyLossConfig(loss_mode="qurl_acr").is_cap == 2.0
+
+
+def test_a_verl_loss_over_a_quantized_preset_is_refused_unless_verl_truncates(tmp_path, monkeypatch):
+    """``+qurl=<preset>`` then a verl example's ``loss_mode`` (``vanilla``, ``gspo``): the preset's untruncated
+    ``rollout_is_threshold`` (1e9, there for the qurl losses, which truncate at C) would reach a loss that
+    multiplies by the weights as they come. Refused in the driver, naming both fixes; each fix passes. Presets
+    without verl's IS weights (bf16, naive_int8) and a stock-rollout run with the same settings are not refused:
+    nothing of theirs is overridden."""
+    from qurl_recipes.compose import compose_ppo_config
+    from qurl_recipes.tiny_model import build_tiny_model
+    from qurl_verl.driver import check_config
+    from qurl_verl.settings import LOSS_MODE_KEY
+
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    model = build_tiny_model(tmp_path / "tiny")
+    recipe = ["+qurl_recipe=tiny_cpu", f"actor_rollout_ref.model.path={model}"]
+    fixes = r"remove the actor_rollout_ref.actor.policy_loss.loss_mode override.*rollout_correction.rollout_is_threshold=2.0"
+    for preset, loss_mode in (("int8", "vanilla"), ("tis_int8", "gspo"), ("fp8", "vanilla")):
+        command = [*recipe, f"+qurl={preset}", f"{LOSS_MODE_KEY}={loss_mode}"]
+        with pytest.raises(QurlConfigError, match=rf"loss_mode={loss_mode} with .*rollout_is_threshold=1e\+09.*{fixes}"):
+            check_config(compose_ppo_config(command))
+        check_config(compose_ppo_config([*command, "algorithm.rollout_correction.rollout_is_threshold=2.0"]))
+    for preset in ("bf16", "naive_int8"):
+        check_config(compose_ppo_config([*recipe, f"+qurl={preset}", f"{LOSS_MODE_KEY}=gspo"]))
+    stock = [*recipe, "actor_rollout_ref.rollout.name=vllm", "algorithm.rollout_correction.rollout_is=token",
+             "algorithm.rollout_correction.rollout_is_threshold=1e9", f"{LOSS_MODE_KEY}=vanilla"]
+    check_config(compose_ppo_config(stock))

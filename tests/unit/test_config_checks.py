@@ -311,3 +311,88 @@ def test_fp8_kv_cache_is_refused_in_the_driver_where_it_cannot_run(tiny_model, m
         with pytest.raises(QurlConfigError, match=rf"{message}.*{fix}"):
             qc.check_config(compose_ppo_config(fp8), host=avx512)
     config_path.write_text(json_.dumps(config))
+
+
+# config.json shapes of real checkpoints (hidden, heads, kv heads, head_dim, intermediate) and the tiny models
+FP8_BLOCK_SHAPES = {
+    "Qwen2.5-0.5B": dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864),
+    "Qwen2.5-7B": dict(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944),
+    "Qwen3-8B": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288),
+    "tiny": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
+    "tiny_block_fp8": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, intermediate_size=256),
+}
+
+
+def vllm_refuses_fp8_block(hf: dict, tp: int, monkeypatch) -> set[str]:
+    """The layers vLLM's own ``validate_fp8_block_shape`` refuses at rollout TP ``tp``, given the arguments vLLM's
+    linear layers pass it (``vllm/model_executor/layers/linear.py``: QKV and merged column layers list their
+    outputs at full size and split each by TP; KV heads are replicated where TP exceeds them)."""
+    fp8_utils = pytest.importorskip("vllm.model_executor.layers.quantization.utils.fp8_utils")
+    import torch
+    import vllm.distributed
+
+    from qurl_verl.quant.formats import DEFAULT_BLOCK_SIZE
+
+    monkeypatch.setattr(vllm.distributed, "get_tensor_model_parallel_world_size", lambda: tp)  # no process group here
+    dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    heads, kv = hf["num_attention_heads"] // tp, max(hf["num_key_value_heads"] // tp, 1)
+    hidden, inter = hf["hidden_size"], hf["intermediate_size"]
+    column = lambda full_outputs: (hidden, hidden, full_outputs)  # noqa: E731 - input, input per rank, full outputs
+    layers = {
+        "self_attn.qkv_proj": column([heads * dim * tp, kv * dim * tp, kv * dim * tp]),
+        "self_attn.o_proj": (hf["num_attention_heads"] * dim, hf["num_attention_heads"] * dim // tp, None),
+        "mlp.gate_up_proj": column([inter, inter]),
+        "mlp.down_proj": (inter, inter // tp, None),
+    }
+    refused = set()
+    for name, (inputs, inputs_per_rank, full_outputs) in layers.items():
+        layer = torch.nn.Module()
+        layer.tp_size = tp
+        outputs = [n // tp for n in full_outputs] if full_outputs else [hidden]
+        try:
+            fp8_utils.validate_fp8_block_shape(layer, inputs, sum(full_outputs) if full_outputs else hidden, inputs_per_rank,
+                                               outputs, [DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE])
+        except ValueError:
+            refused.add(name)
+    return refused
+
+
+@pytest.mark.parametrize("model", FP8_BLOCK_SHAPES)
+def test_the_driver_refuses_fp8_block_shards_where_vllm_would(model, monkeypatch):
+    """The driver's block-shape rule agrees with vLLM's own (the installed version's) for real checkpoint shapes at
+    TP 1 to 8: the same layers refused, so a run vLLM would stop at engine start stops in the driver instead."""
+    from qurl_verl.rollout.engine_checks import check_fp8_block_shapes, fp8_block_partitions
+    from qurl_verl.settings import RolloutSettings
+
+    hf = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, **FP8_BLOCK_SHAPES[model]}
+    for tp in (1, 2, 4, 8):
+        if hf["num_attention_heads"] % tp:
+            continue
+        expected = vllm_refuses_fp8_block(hf, tp, monkeypatch)
+        try:
+            check_fp8_block_shapes(RolloutSettings(format="fp8_block"), hf, tp)
+            refused = set()
+        except QurlConfigError as e:
+            refused = {layer for layer in fp8_block_partitions(hf, tp) if f"{layer} (" in str(e)}
+            assert "tensor_model_parallel_size" in str(e) and "quantization=fp8" in str(e), str(e)
+        assert refused == expected, (model, tp, refused, expected)
+        check_fp8_block_shapes(RolloutSettings(format="fp8"), hf, tp)  # per-channel FP8: any shape
+    if model == "Qwen2.5-0.5B":  # the case of verl's default rollout TP 2, refused naming the size that works
+        with pytest.raises(QurlConfigError, match=r"tensor_model_parallel_size=2: .*self_attn.o_proj \(448 .* Set actor_rollout_ref.rollout.tensor_model_parallel_size=1, or use .*quantization=fp8"):
+            check_fp8_block_shapes(RolloutSettings(format="fp8_block"), hf, 2)
+        ignored = RolloutSettings(format="fp8_block", ignore=["q_proj", "k_proj", "v_proj", "o_proj"])
+        check_fp8_block_shapes(ignored, hf, 2)  # attention kept in full precision: the MLP's shards are whole blocks
+
+
+def test_fp8_block_at_a_shard_vllm_refuses_stops_in_the_driver(tmp_path):
+    import json as json_
+
+    (tmp_path / "m").mkdir()
+    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2, "vocab_size": 1024,
+          **FP8_BLOCK_SHAPES["Qwen2.5-0.5B"]}
+    (tmp_path / "m" / "config.json").write_text(json_.dumps(hf))
+    command = ["actor_rollout_ref.rollout.name=qurl_vllm", "actor_rollout_ref.rollout.quantization=fp8_block",
+               f"actor_rollout_ref.model.path={tmp_path / 'm'}"]
+    with pytest.raises(QurlConfigError, match="fp8_block at rollout tensor_model_parallel_size=2"):
+        qc.check_config(compose_ppo_config([*command, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    qc.check_config(compose_ppo_config([*command, "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]))

@@ -17,7 +17,13 @@ from qurl_verl.driver.cpu_platform_checks import check_weight_fits_bucket
 from qurl_verl.driver.trainer_checks import attn_implementation, check_actor_strategy, check_flash_attn, check_gpu_attention
 from qurl_verl.model_info import dtype_bytes, largest_weight
 from qurl_verl.platform.host import Host
-from qurl_verl.rollout.cuda_int8_kernel import CUTLASS_INT8_KERNEL, DISABLED_KERNELS_ENV, int8_kernel_env
+from qurl_verl.rollout.cuda_kernel_env import (
+    CUTLASS_INT8_KERNEL,
+    DISABLED_KERNELS_ENV,
+    USE_DEEP_GEMM_ENV,
+    fp8_kv_attention_backend,
+    int8_kernel_env,
+)
 from qurl_verl.settings import BUCKET_MB_KEY, QurlConfigError
 
 pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
@@ -140,7 +146,7 @@ def fake_server(quantization, hf_config=None, custom=None):
     from transformers import Qwen2Config
 
     return SimpleNamespace(
-        config=SimpleNamespace(quantization=quantization, custom=custom),
+        config=SimpleNamespace(quantization=quantization, custom=custom, tensor_model_parallel_size=1, enforce_eager=False),
         model_config=SimpleNamespace(hf_config=hf_config or Qwen2Config(architectures=["Qwen2ForCausalLM"]), path="/models/x"),
     )
 
@@ -176,6 +182,87 @@ def test_server_sets_the_kernel_env_before_the_engine(server_module, monkeypatch
     monkeypatch.setenv(DISABLED_KERNELS_ENV, "MacheteLinearKernel")  # restored after the test
     server_module.QurlvLLMHttpServer._apply_quantization(fake_server(fmt))
     assert os.environ[DISABLED_KERNELS_ENV] == expected
+
+
+@pytest.mark.parametrize("capability, fmt, user, expected", [
+    ((9, 0), "fp8_block", None, "0"),  # Hopper: DeepGEMM's E8M0 post-processing would re-round the codes
+    ((10, 0), "fp8_block", None, "0"),
+    ((9, 0), "fp8_block", "1", "1"),  # the user's own setting is kept
+    ((9, 0), "fp8", None, None),  # per-channel FP8: Cutlass, codes kept
+    ((9, 0), "int8", None, None),
+    (None, "fp8_block", None, None),  # no NVIDIA GPU: nothing to steer
+])
+def test_server_keeps_fp8_block_codes_off_deep_gemm(server_module, monkeypatch, capability, fmt, user, expected):
+    """``fp8_block`` on an NVIDIA GPU: the server sets ``VLLM_USE_DEEP_GEMM=0`` before the engine starts, so vLLM's
+    block-FP8 list skips both DeepGEMM kernels (whose weight post-processing re-quantizes to power-of-two scales)
+    for Cutlass's, which keeps the streamed codes; a value the user set is theirs."""
+    force_server_host(monkeypatch, server_module, cuda_capability=capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv(USE_DEEP_GEMM_ENV, raising=False)
+    if user is not None:
+        monkeypatch.setenv(USE_DEEP_GEMM_ENV, user)
+    hf = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 2,
+          "intermediate_size": 512}
+    from transformers import Qwen2Config
+
+    server_module.QurlvLLMHttpServer._apply_quantization(fake_server(fmt, Qwen2Config(**hf)))
+    assert os.environ.get(USE_DEEP_GEMM_ENV) == expected
+    monkeypatch.delenv(USE_DEEP_GEMM_ENV, raising=False)
+
+
+def test_vllm_reads_deep_gemm_off_from_the_variable_the_server_sets(monkeypatch):
+    """The variable and the value are vLLM's own: with it, vLLM's ``is_deep_gemm_supported`` says no on any
+    platform, and its block-FP8 kernels that need DeepGEMM report themselves unsupported."""
+    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
+    import vllm.envs as envs
+
+    monkeypatch.setenv(USE_DEEP_GEMM_ENV, "0")
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    assert envs.VLLM_USE_DEEP_GEMM is False
+    assert deep_gemm.is_deep_gemm_supported() is False
+
+
+@pytest.mark.parametrize("capability, engine_kwargs, expected", [
+    ((8, 9), {}, "TRITON_ATTN"),  # Ada: FlashInfer would fold the scales of start-up into its graphs
+    ((10, 0), {}, "TRITON_ATTN"),  # Blackwell: its TRTLLM path caches them at the first forward
+    ((12, 0), {"attention_backend": "auto"}, "TRITON_ATTN"),
+    ((9, 0), {}, None),  # Hopper: FA3 reads the device scales
+    (None, {}, None),  # a CPU engine
+    ((8, 9), {"attention_backend": "TRITON_ATTN"}, None),  # the user's device-scale choice stands
+    ((8, 9), {"attention_backend": "FLASHINFER"}, "refused"),
+    ((10, 0), {"attention_config": {"backend": "flashinfer"}}, "refused"),
+])
+def test_fp8_kv_cache_off_hopper_gets_an_attention_that_reads_device_scales(capability, engine_kwargs, expected):
+    from qurl_verl.settings import KVCacheFormat
+
+    if expected == "refused":
+        with pytest.raises(QurlConfigError, match=r"kv_cache=fp8 with attention_backend=.* host floats .* Remove the attention_backend"):
+            fp8_kv_attention_backend(KVCacheFormat.FP8, capability, engine_kwargs)
+    else:
+        assert fp8_kv_attention_backend(KVCacheFormat.FP8, capability, engine_kwargs) == expected
+    assert fp8_kv_attention_backend(KVCacheFormat.AUTO, capability, engine_kwargs) is None  # a bf16 cache has no scales
+
+
+def test_server_passes_the_attention_backend_vllm_parses(server_module, monkeypatch):
+    """Through the server's ``_preprocess_engine_kwargs`` on a forced Ada GPU: the FP8 cache dtype and the Triton
+    backend, a value vLLM's own ``AttentionConfig`` parser turns into its backend enum."""
+    attention = pytest.importorskip("vllm.config.attention")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    force_server_host(monkeypatch, server_module, cuda_capability=(8, 9), avx512=True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(server_module.vLLMHttpServer, "_preprocess_engine_kwargs", lambda self, kwargs: None)
+    from transformers import Qwen2Config
+
+    fake = fake_server("int8", Qwen2Config(architectures=["Qwen2ForCausalLM"], hidden_size=256, num_attention_heads=4),
+                       custom={"qurl": {"kv_cache": "fp8"}})
+    server = server_module.QurlvLLMHttpServer.__new__(server_module.QurlvLLMHttpServer)  # no actor, no engine
+    server.config, server.model_config = fake.config, fake.model_config
+    kwargs = {}
+    server._preprocess_engine_kwargs(kwargs)
+    assert kwargs["kv_cache_dtype"] == "fp8_e4m3" and kwargs["attention_backend"] == "TRITON_ATTN"
+    assert attention.AttentionConfig.validate_backend_before(kwargs["attention_backend"]) is AttentionBackendEnum.TRITON_ATTN
 
 
 # ---------------------------------------------------------------------------------- Megatron

@@ -136,6 +136,40 @@ def test_quantized_experts_only_where_vllm_runs_them_w8a8(fmt, version, on_cpu, 
     check_quantized_experts(RolloutSettings(format=fmt), version, on_cpu, amx)  # bf16 experts: everywhere
 
 
+@pytest.mark.parametrize("fmt,version", [("fp8", "0.24.0"), ("fp8_block", "0.24.0"), ("int8", "0.32.0")])
+def test_quantized_experts_on_a_gpu_need_eager_mode(fmt, version):
+    """A GPU engine that captures CUDA graphs (verl's default, ``enforce_eager=false``) over quantized experts, whose
+    MoE kernels vLLM rebuilds at every reload (vLLM #41670: an illegal memory access after a reload with graphs):
+    refused naming ``enforce_eager=true``; eager passes, and so do bf16 experts with graphs and a CPU engine."""
+    settings = RolloutSettings(format=fmt, experts="quantized")
+    with pytest.raises(QurlConfigError, match=r"experts=quantized with CUDA graphs: .*#41670.* Set actor_rollout_ref.rollout.enforce_eager=true"):
+        check_quantized_experts(settings, version, on_cpu=False, amx=False, cuda_graphs=True)
+    check_quantized_experts(settings, version, on_cpu=False, amx=False, cuda_graphs=False)
+    check_quantized_experts(RolloutSettings(format=fmt), version, on_cpu=False, amx=False, cuda_graphs=True)
+    check_quantized_experts(RolloutSettings(format="int8", experts="quantized"), "0.32.0+cpu", on_cpu=True, amx=True,
+                            cuda_graphs=True)
+
+
+def test_the_driver_reads_eager_mode_from_verls_rollout_config(tmp_path):
+    """Through the driver's table on a Qwen3-MoE ``config.json``: verl's default rollout (graphs on) is refused with
+    quantized FP8 experts, ``enforce_eager=true`` passes."""
+    import json
+
+    from qurl_recipes.compose import compose_ppo_config
+    from qurl_verl.driver import check_config
+
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128, "vocab_size": 1024}))
+    command = ["actor_rollout_ref.rollout.name=qurl_vllm", "actor_rollout_ref.rollout.quantization=fp8",
+               "+actor_rollout_ref.rollout.custom.qurl.experts=quantized", f"actor_rollout_ref.model.path={tmp_path / 'moe'}"]
+    with pytest.raises(QurlConfigError, match="with CUDA graphs"):
+        check_config(compose_ppo_config(command))
+    check_config(compose_ppo_config([*command, "actor_rollout_ref.rollout.enforce_eager=true"]))
+
+
 # ------------------------------------------------------------------------------------ architectures
 def test_moe_architectures_are_accepted_and_mixtral_deepseek_refused_with_the_reason():
     check_architecture(["Qwen3MoeForCausalLM"])

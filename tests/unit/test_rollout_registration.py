@@ -55,7 +55,7 @@ def fake_server(quantization, architectures=("Qwen2ForCausalLM",)):
     from transformers import PretrainedConfig
 
     return SimpleNamespace(
-        config=SimpleNamespace(quantization=quantization, custom=None),
+        config=SimpleNamespace(quantization=quantization, custom=None, tensor_model_parallel_size=1, enforce_eager=False),
         model_config=SimpleNamespace(hf_config=PretrainedConfig(architectures=list(architectures)), path="/models/x"),
     )
 

@@ -15,6 +15,12 @@ variables of ``FORWARDED`` and every ``QURL_*`` and ``VLLM_CPU_*`` variable set 
 with ``VERL_FILE_LOGGER_PATH`` made absolute against the driver's directory. A value the user put
 in ``ray_kwargs.ray_init.runtime_env.env_vars`` still wins: verl merges it over this default.
 
+The same call is also the one place every verl 0.9.1 entry point passes in the driver before Ray starts:
+``fully_async_policy.fully_async_main`` calls ``run_ppo`` without verl's ``validate_config``, so neither the
+qurl checks nor UAQ would run. For a qurl config the driver's hook has not prepared
+(``qurl_verl.driver.ensure_prepared``), the wrapper runs it first; after ``main_ppo``'s ``validate_config``
+it does nothing more.
+
 When: in every process that imports verl (the plugin), whether or not verl's module is imported
 yet; for any other config verl's function returns exactly what it did before.
 """
@@ -49,6 +55,10 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
 def forwarding_for(original):
     @functools.wraps(original)
     def get_ppo_ray_runtime_env(config=None, *args, **kwargs):
+        if config is not None and uses_qurl(config):
+            from qurl_verl.driver import ensure_prepared
+
+            ensure_prepared(config)  # the checks and UAQ, where the entry point skipped validate_config
         runtime_env = original(config, *args, **kwargs)
         if config is not None and uses_qurl(config):
             runtime_env.setdefault("env_vars", {}).update(forwarded_env(os.environ))
