@@ -169,7 +169,8 @@ def start_engine(model_dir: Path, settings, dtype: str,
 
     engine_args.setdefault("max_num_batched_tokens", MAX_MODEL_LEN)
     quantization, hf_overrides = settings.engine_quantization()
-    return LLM(
+    threads = torch.get_num_threads()  # an engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) sets 1
+    llm = LLM(
         model=str(model_dir),
         dtype=dtype,
         load_format="dummy",
@@ -182,10 +183,12 @@ def start_engine(model_dir: Path, settings, dtype: str,
         worker_extension_cls=extension,
         seed=0,
         tensor_parallel_size=tensor_parallel_size,
-        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+        distributed_executor_backend="mp",  # the workers in processes of their own, whatever runs the engine core
         kv_cache_dtype=settings.kv_cache.engine_dtype,
         **engine_args,
     )
+    torch.set_num_threads(threads)
+    return llm
 
 
 def stop_engine(llm) -> None:

@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 
 from qurl_testkit.reload_harness import build_peaked_tiny_model, engine_env
+from qurl_verl.rollout.vllm_versions import installed_vllm_version, vllm_release
+
+INPROC_ENGINE_CORE_VLLM = (0, 32)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +41,14 @@ def engine_environment():
         # carries its own seed, which takes the eager path). Dynamo off in the engines' processes (read when
         # they import torch; this process has imported it already): the same sampler, eager.
         mp.setenv("TORCHDYNAMO_DISABLE", "1")
+        # vLLM's engine core (scheduler and executor, no model) in this process rather than one of its own, which
+        # starts by importing vLLM again: 5-7 s of each engine's start and 1.5 s of its stop here. The workers,
+        # which hold the model, the patches and the thread binding, stay in processes of their own
+        # (``start_engine`` asks for the multiprocessing executor at every TP size). Not on vLLM 0.24, whose
+        # in-process engine core hangs in its shutdown (the garbage collector in ``cleanup_dist_env_and_memory``
+        # destroys a ZeroMQ context whose sockets are still open, and ``term`` waits for them).
+        if (vllm_release(installed_vllm_version()) or (0, 0)) >= INPROC_ENGINE_CORE_VLLM:
+            mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         mp.setattr(platform_manager, "_current_platform", PlatformCPU())
         yield mp
 
