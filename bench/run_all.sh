@@ -11,6 +11,7 @@ run bench/bench_decode_roofline.py  # arithmetic only: seconds
 run bench/bench_quantize.py
 run bench/bench_acr_loss.py
 run bench/bench_quantize_side.py
+"${PYTHON_VLLM024:-.venv-vllm024/bin/python}" bench/bench_e8m0_drift.py  # on vLLM 0.24 (GPU users' vLLM): seconds
 run bench/diagnose_fidelity.py
 run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits gain4 fanin --engine-dtypes float32 \
   --out bench/results/fidelity_diagnosis_fp32
