@@ -108,10 +108,9 @@ class TrainerWeights:
         return unfuse_moe_params(iter(self.master.items()), self.model_type)
 
 
-def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row_stride: int = 8,
-                 weight_bits: int = 8, ranks: int = 1, **rpc_kwargs) -> list:
+def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, ranks: int = 1, **rpc_kwargs) -> list:
     """One verl-style weight sync: verl's BucketedWeightSender here, the worker's receiver there
-    (called with the keywords QurlServerAdapter adds). With ``ranks`` > 1 (a TP engine) every rank
+    (called as verl's ServerAdapter calls it; the settings came with the engine, ``start_engine``). With ``ranks`` > 1 (a TP engine) every rank
     gets the full tensors from a sender of its own, as each colocated trainer rank sends them.
     ``named_tensors``: (name, tensor) pairs, or a callable that returns a fresh iterator of them for
     each rank (a stream made on the fly, never held whole). ``rpc_kwargs``: verl's LoRA keywords
@@ -138,9 +137,7 @@ def sync_weights(llm, named_tensors, bucket_mb: int = BUCKET_MB, code_change_row
         thread.start()
     rpc_error = None
     try:
-        kwargs = {"use_shm": True, "code_change_row_stride": code_change_row_stride, **rpc_kwargs}
-        if weight_bits != 8:
-            kwargs["weight_bits"] = weight_bits
+        kwargs = {"use_shm": True, **rpc_kwargs}
         results = llm.collective_rpc("update_weights_from_ipc", timeout=SYNC_TIMEOUT_S, kwargs=kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised once the senders are accounted for
         rpc_error = e
@@ -160,7 +157,8 @@ def start_engine(model_dir: Path, settings, dtype: str,
                  extension: str = "qurl_verl.rollout.worker_extension.QurlWorkerExtension", tensor_parallel_size: int = 1,
                  **engine_args):
     """An engine built the way QurlvLLMHttpServer builds it: dummy weights, our quantization, the KV
-    cache format of ``settings.kv_cache``; ``engine_args`` as verl adds them (its LoRA arguments).
+    cache format of ``settings.kv_cache``, the settings in ``additional_config`` where the workers read
+    them; ``engine_args`` as verl adds them (its LoRA arguments).
 
     One step schedules at most ``MAX_MODEL_LEN`` tokens (vLLM's default is 4096): vLLM 0.24's CPU worker runs a
     dummy forward of that many tokens at start-up, which through vLLM-CPU's emulated FP8 GEMM alone took 34 s of
@@ -185,6 +183,7 @@ def start_engine(model_dir: Path, settings, dtype: str,
         tensor_parallel_size=tensor_parallel_size,
         distributed_executor_backend="mp",  # the workers in processes of their own, whatever runs the engine core
         kv_cache_dtype=settings.kv_cache.engine_dtype,
+        additional_config=settings.additional_config(engine_args.pop("additional_config", None)),
         **engine_args,
     )
     torch.set_num_threads(threads)

@@ -28,7 +28,18 @@ def force_amx_int8_choice() -> None:
     vllm_cpu_int8_fp32_onednn.applies = lambda: True
 
 
-class ProbeWorkerExtension(QurlWorkerExtension):
+class SettingsProbe:
+    """Mixed into a probe extension: other settings for an engine the tests already started."""
+
+    def probe_use_settings(self, additional_config: dict) -> dict:
+        """This engine's settings replaced (``RolloutSettings.additional_config``) for the syncs that follow, as
+        if it had been started with them; the features are built anew. Only what the sync reads can change."""
+        self.model_runner.vllm_config.additional_config.update(additional_config)
+        self._qurl_features = None
+        return self.model_runner.vllm_config.additional_config
+
+
+class ProbeWorkerExtension(SettingsProbe, QurlWorkerExtension):
     """The reload patches off until a test installs them; the INT8 GEMM is vLLM's oneDNN kernel on every
     CPU. vLLM's choice is forced to what an AMX CPU gets (its sgl kernel, which refuses the fp32 engine
     these tests run), and ``vllm_cpu_int8_fp32_onednn`` gives the fp32 layers oneDNN, as on a real AMX
@@ -281,7 +292,7 @@ def _garble(t: torch.Tensor, gen: torch.Generator) -> None:
         t.copy_(torch.randint(max(info.min, -2**31), min(info.max, 2**31 - 1), t.shape, generator=gen).to(t.dtype))
 
 
-class Level2SleepProbe(QurlWorkerExtension):
+class Level2SleepProbe(SettingsProbe, QurlWorkerExtension):
     """The production extension, plus a simulated level-2 sleep and a record of the model's tensors."""
 
     def probe_kv_cache_scales(self) -> dict[str, list[float]]:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from qurl_verl.driver.checks import CHECKS, COMPOSITION_CHECKS, Run, refuse_first
+from qurl_verl.driver.checks import CHECKS, COMPOSITION_CHECKS, Run
 from qurl_verl.driver.prepare import prepare_config, prepare_cpu_int8_gemm, report_moe_share, warn_cpu_rollout_format
 from qurl_verl.model_info import ModelInfo
 from qurl_verl.platform.host import Host
 from qurl_verl.settings import MODEL_PATH_KEY, QurlSettings, select, uses_qurl
+from qurl_verl.settings.errors import refuse_first
 
 # id(config) -> a weak reference to it, for each config the hook prepared (a DictConfig hashes by its content,
 # which the preparation changes, so not a WeakSet)

@@ -8,7 +8,6 @@ Hydra composed wrongly cannot be read.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,27 +28,24 @@ from qurl_verl.driver.trainer_checks import (
     FLASH_ATTN_FIX,
     check_actor_strategy,
     check_gpu_attention,
-    check_kv_cache_setting,
-    check_lora_adapters,
     trains_fsdp_on_gpu,
 )
 from qurl_verl.driver.uaq_checks import SHARED_STORAGE_FIX, check_resumed_uaq, check_uaq_storage
 from qurl_verl.model_info import ModelInfo
 from qurl_verl.platform.host import Host
+from qurl_verl.rollout import features as sync_features
 from qurl_verl.rollout.engine_checks import (
     ENFORCE_EAGER_KEY,
     check_architecture,
     check_cpu_rollout_format,
     check_fp8_block_shapes,
     check_fp8_hardware,
-    check_fp8_kv_cache,
     check_quantized_experts,
     check_vllm_version,
 )
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
     BUCKET_MB_KEY,
-    LORA_MERGE_KEY,
     LOSS_MODE_KEY,
     MODEL_PATH_KEY,
     PRESET_KEY,
@@ -66,6 +62,7 @@ from qurl_verl.settings import (
     show,
     untruncated_weights_problem,
 )
+from qurl_verl.settings.errors import Check
 
 
 @dataclass(frozen=True)
@@ -89,21 +86,6 @@ class Run:
     @property
     def vllm_on_cpu_platform(self) -> bool:
         return self.host.cpu_platform and select(self.cfg, ROLLOUT_NAME_KEY) in ("vllm", ROLLOUT_NAME)
-
-
-@dataclass(frozen=True)
-class Check:
-    what: str  # the rule, as one line
-    applies: Callable[[Any], bool]  # whether this run is subject to it
-    check: Callable[[Any], None]  # raises QurlConfigError naming the fix
-    fix: str  # what the refusal tells the user to change (tests find it in the message)
-
-
-def refuse_first(table: tuple[Check, ...], subject: Any) -> None:
-    """Run each row that applies, in order; the first refusal stops the run."""
-    for row in table:
-        if row.applies(subject):
-            row.check(subject)
 
 
 def always(_: Any) -> bool:
@@ -251,8 +233,6 @@ CHECKS = (
           lambda r: check_vllm_version(r.host.vllm_version), "Install the vLLM"),  # the servers check their own
     Check("an FSDP actor feeds the weight stream", _qurl_vllm,
           lambda r: check_actor_strategy(select(r.cfg, ACTOR_STRATEGY_KEY)), f"set {ACTOR_STRATEGY_KEY}=fsdp2"),
-    Check("LoRA adapters travel apart from the base only where the sync carries them", _qurl_vllm,
-          lambda r: check_lora_adapters(r.cfg, r.rollout, r.on_cpu, r.host.vllm_version), f"{LORA_MERGE_KEY}=true"),
     Check("the architecture is one the weight stream maps", lambda r: _qurl_vllm(r) and r.model.architectures is not None,
           lambda r: check_architecture(r.model.architectures, model=str(select(r.cfg, MODEL_PATH_KEY))),
           f"Use {ROLLOUT_NAME_KEY}=vllm"),
@@ -271,12 +251,8 @@ CHECKS = (
     Check("this CPU has a kernel for the format", lambda r: _qurl_vllm(r) and r.on_cpu,
           lambda r: check_cpu_rollout_format(r.rollout, amx=r.host.amx, amx_fp8=r.host.amx_fp8),
           f"Use {QUANTIZATION_KEY}=fp8"),
-    Check("the KV-cache format has one home, and FP8 KV scales a way to the engine", _qurl_vllm,
-          lambda r: check_kv_cache_setting(r.cfg, r.rollout), f"set {ROLLOUT_CUSTOM_KEY}.kv_cache=fp8"),
-    Check("the engine has an FP8 KV cache for this model and CPU", _qurl_vllm,  # the servers check again
-          lambda r: check_fp8_kv_cache(r.rollout, on_cpu=r.on_cpu, avx512=r.host.avx512, amx=r.host.amx,
-                                       head_dim=r.model.head_dim, uses_mla=r.model.uses_mla),
-          f"remove {ROLLOUT_CUSTOM_KEY}.kv_cache"),
+    # each sync feature's own rows (``rollout.features``)
+    *sync_features.driver_checks(),
     Check("QURL_VERL_CPU_INT8_GEMM names a GEMM", lambda r: _qurl_vllm(r) and r.on_cpu,
           lambda r: check_cpu_int8_gemm_choice(), "expected 'auto'"),
     # UAQ

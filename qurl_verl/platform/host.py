@@ -21,7 +21,7 @@ class Host:
     cuda_capability: tuple[int, int] | None = None  # of the first visible GPU; None without CUDA
     amx: bool = False  # AMX tiles (Sapphire Rapids or newer), what vLLM-CPU's sgl and MoE kernels need
     amx_fp8: bool = False  # AMX-FP8: vLLM-CPU runs block FP8 W8A8 only there
-    avx512: bool = False  # torch's AVX-512 test, which vLLM-CPU's attention asks before an FP8 KV cache
+    avx512: bool = False  # torch's AVX-512 test, which vLLM-CPU's attention asks before an FP8 cache
     flash_attn: bool = False  # the flash-attn package is installed
     vllm_version: str | None = None  # the installed vLLM's version (distribution metadata), None without
     vllm_importable: bool = False  # a ``vllm`` module can be imported

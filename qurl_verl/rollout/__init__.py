@@ -8,7 +8,8 @@ Select it with ``actor_rollout_ref.rollout.name=qurl_vllm`` and the format with
 * ``server``: engine server and replica (quantized engine, our worker extension);
 * ``adapter``: trainer-side client, keeps each sync's cost;
 * ``worker_extension``: the vLLM-side sync, as named steps (receive, stream, reload, check, stats);
-* ``layerwise_reload``: what the sync adds around vLLM's layerwise reload (checks, dtypes, KV-cache scales);
+* ``layerwise_reload``: what the sync adds around vLLM's layerwise reload (checks, dtypes);
+* ``features``: what a sync carries or does beyond the W8A8 codes, one module each;
 * ``weight_stream``: which trainer tensors get quantized, and under which names.
 
 The log-probs the engine returns (``rollout_log_probs`` in verl) are those of the 8-bit model

@@ -13,27 +13,19 @@ engine starts, through the environment its processes inherit and the engine argu
   (``is_deep_gemm_supported``), leaving Cutlass's block kernel, which keeps the codes and their fp32 scales.
   (``VLLM_USE_DEEP_GEMM_E8M0=0`` alone keeps DeepGEMM with fp32 scales, with reports of faults and NaNs on
   SM12x: vLLM #57486, #54125.)
-* FP8 KV cache off Hopper: FlashAttention takes an FP8 cache only as FA3 (SM90), so elsewhere vLLM picks
-  FlashInfer, which folds the host copies of the K/V scales into kernel arguments that CUDA graphs captured at
-  start-up keep (and on SM100 its TRTLLM path caches them at the first forward): the scales the trainer sends
-  every step would not reach attention. vLLM's Triton attention reads the device scales the sync rewrites in
-  place, so the server asks for it there.
+
+The attention backend an FP8 attention cache needs off Hopper is its sync feature's (``rollout.features``).
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
-from qurl_verl.settings import ROLLOUT_CUSTOM_KEY, KVCacheFormat, QurlConfigError, RolloutFormat
+from qurl_verl.settings import RolloutFormat
 
 DISABLED_KERNELS_ENV = "VLLM_DISABLED_KERNELS"
 CUTLASS_INT8_KERNEL = "CutlassInt8ScaledMMLinearKernel"
 MIN_BLACKWELL_CAPABILITY = (10, 0)
 USE_DEEP_GEMM_ENV = "VLLM_USE_DEEP_GEMM"
-ATTENTION_BACKEND_KEY = "attention_backend"  # vLLM's engine argument (engine/arg_utils.py, 0.24 and 0.32)
-DEVICE_SCALE_ATTENTION = "TRITON_ATTN"
-HOST_SCALE_ATTENTION = ("FLASHINFER",)  # backends that read the K/V scales as host floats
-FP8_KV_NATIVE_MAJOR = 9  # FA3 takes an FP8 cache on the SM90 family only
 
 
 def int8_kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] | None, environ: Mapping[str, str]) -> dict[str, str]:
@@ -61,24 +53,3 @@ def fp8_block_kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] |
 
 def kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] | None, environ: Mapping[str, str]) -> dict[str, str]:
     return {**int8_kernel_env(fmt, capability, environ), **fp8_block_kernel_env(fmt, capability, environ)}
-
-
-def fp8_kv_attention_backend(kv_cache: KVCacheFormat, capability: tuple[int, int] | None,
-                             engine_kwargs: Mapping[str, Any]) -> str | None:
-    """The attention backend an FP8-KV engine on an NVIDIA GPU of ``capability`` must be given (None: vLLM's own
-    choice is right); refuses a user's host-scale backend there."""
-    if kv_cache is not KVCacheFormat.FP8 or capability is None or capability[0] == FP8_KV_NATIVE_MAJOR:
-        return None
-    nested = engine_kwargs.get("attention_config") or {}
-    chosen = engine_kwargs.get(ATTENTION_BACKEND_KEY) or (nested.get("backend") if isinstance(nested, Mapping) else None)
-    name = str(getattr(chosen, "name", chosen) or "auto").upper()  # vLLM takes its enum or the member's name
-    if name == "AUTO":
-        return DEVICE_SCALE_ATTENTION
-    if name in HOST_SCALE_ATTENTION:
-        raise QurlConfigError(
-            f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8 with attention_backend={chosen} on compute capability "
-            f"{capability[0]}.{capability[1]}: it reads the K/V scales as host floats that CUDA graphs keep from "
-            "start-up, so the scales the trainer sends would not reach attention. Remove the attention_backend "
-            f"engine argument (the server then picks {DEVICE_SCALE_ATTENTION}), or remove {ROLLOUT_CUSTOM_KEY}.kv_cache"
-        )
-    return None

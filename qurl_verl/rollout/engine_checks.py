@@ -20,7 +20,6 @@ from qurl_verl.settings import (
     ROLLOUT_NAME_KEY,
     ROLLOUT_PARALLEL_KEYS,
     ExpertsPrecision,
-    KVCacheFormat,
     QurlConfigError,
     RolloutFormat,
     RolloutSettings,
@@ -30,10 +29,6 @@ ENFORCE_EAGER_KEY = f"{ROLLOUT_KEY}.enforce_eager"
 # FP8 W8A8 needs FP8 tensor cores (Ada/Hopper, compute capability 8.9+); below that vLLM's
 # compressed-tensors silently falls back to weight-only FP8, which leaves activations unquantized.
 MIN_FP8_CAPABILITY = (8, 9)
-# vLLM-CPU's FP8 KV path (``v1/attention/backends/cpu_attn.py::_get_attn_isa``, 0.24 and 0.32) runs
-# head sizes that are multiples of 32, on x86 CPUs with AVX-512 or AMX; it raises for the rest.
-FP8_KV_CPU_HEAD_DIM_MULTIPLE = 32
-FP8_KV_FIX = f"remove {ROLLOUT_CUSTOM_KEY}.kv_cache (the KV cache in the engine's dtype)"
 
 
 def check_architecture(architectures: Iterable[str] | None, model: str = "the model") -> None:
@@ -128,31 +123,6 @@ def check_cpu_rollout_format(settings: RolloutSettings, amx: bool, amx_fp8: bool
             "bf16; correct but meant for testing. int8 is the fast CPU format."
         )
     return None
-
-
-def check_fp8_kv_cache(settings: RolloutSettings, *, on_cpu: bool, avx512: bool, amx: bool,
-                       head_dim: int | None, uses_mla: bool) -> None:
-    """Refuse ``custom.qurl.kv_cache=fp8`` for a model or CPU the engine's FP8 KV cache cannot serve."""
-    if settings.kv_cache is not KVCacheFormat.FP8:
-        return
-    key = f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8"
-    if uses_mla:
-        raise QurlConfigError(
-            f"{key}: this model uses multi-head latent attention (kv_lora_rank), whose cache holds a compressed "
-            f"latent with scales of its own, not per-layer K and V; {FP8_KV_FIX}"
-        )
-    if not on_cpu:
-        return
-    if not (avx512 or amx):
-        raise QurlConfigError(
-            f"{key}: vLLM-CPU runs an FP8 KV cache on x86 CPUs with AVX-512 or AMX only, and this CPU has neither "
-            f"(AVX2); {FP8_KV_FIX}"
-        )
-    if head_dim is not None and head_dim % FP8_KV_CPU_HEAD_DIM_MULTIPLE:
-        raise QurlConfigError(
-            f"{key}: vLLM-CPU's FP8 KV cache needs a head size divisible by {FP8_KV_CPU_HEAD_DIM_MULTIPLE}; this model's "
-            f"is {head_dim}; {FP8_KV_FIX}"
-        )
 
 
 def fp8_block_partitions(hf_config: dict, tensor_parallel: int) -> dict[str, tuple[int | None, list[int]]]:

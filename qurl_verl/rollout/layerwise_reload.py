@@ -10,15 +10,12 @@ what it leaves out:
   missed a layer, or a model left on meta or with bad scales, fails the sync (``WeightReloadError``);
 * ``quiet_config_only_layers``, ``quiet_skipped_lm_head``: finalize's "Failed to load weights"
   warnings for what no stream carries on purpose;
-* ``unquantized_kv_cache_layers``, ``reset_kv_cache_scales``: the scales of a bf16 KV cache, which no
-  stream carries, back to vLLM's defaults after every reload;
-* ``fp8_kv_cache_layers``, ``load_kv_cache_scales``: the scales of an FP8 KV cache, from the stream
-  (``qurl_verl.quant.kv_cache``: per layer q, k, v), or vLLM's defaults when it carries none.
+
+What a feature adds to the reload (the attention layers' scales) lives with the feature (``rollout.features``).
 """
 from __future__ import annotations
 
 import logging
-import math
 from contextlib import contextmanager
 
 import torch
@@ -36,10 +33,10 @@ class WeightReloadError(RuntimeError):
     """A weight sync failed part-way; the engine holds no usable model any more."""
 
 
-def param_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+def param_dtypes(model: torch.nn.Module, stream_name=lambda name: name) -> dict[str, torch.dtype]:
     """The dtype vLLM loads each parameter in, under the names the stream sends (a fused layer's
-    under each of its HF shard names too, a fused expert parameter under each expert's names; a LoRA
-    wrapper's base layer under the names of the layer it wraps).
+    under each of its HF shard names too, a fused expert parameter under each expert's names; a
+    parameter whose name the stream writes differently under ``stream_name`` of it too).
 
     Read right after ``initialize_layerwise_reload``: the model then holds its checkpoint-format
     parameters, the ones the loaders copy into (post-processed kernels may be stored differently)."""
@@ -47,7 +44,7 @@ def param_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
     dtypes: dict[str, torch.dtype] = {}
     for wrapped_name, param in model.named_parameters():
         dtypes[wrapped_name] = param.dtype
-        name = wrapped_name.replace(".base_layer.", ".", 1)  # a LoRA wrapper's base layer (enable_lora)
+        name = stream_name(wrapped_name)
         dtypes.setdefault(name, param.dtype)
         module, _, leaf = name.rpartition(".")
         parent, _, layer = module.rpartition(".")
@@ -72,7 +69,7 @@ def check_all_layers_loaded(model: torch.nn.Module, allowed_missing: torch.nn.Mo
     """Every layer with a ``weight`` (linears, embeddings, norms) or fused expert weights
     (``EXPERT_WEIGHT_PARAMS``: all of a layer's routed experts) got all the elements a stream can
     deliver; else vLLM would keep stale weights (nothing loaded) or post-process uninitialized
-    memory (partly loaded) without an error. Attention layers' KV-cache scales are not streamed and
+    memory (partly loaded) without an error. Attention layers' scales are not streamed and
     are not checked. Vocabulary padding rows are never loaded (``streamable_numel``).
     ``allowed_missing``: the tied lm_head (a layer of its own sharing the embedding's Parameter),
     whose weight the stream skips; vLLM then keeps the shared Parameter, updated through the
@@ -162,90 +159,6 @@ def _without_load_warnings(layer_classes: set[str]):
         yield
     finally:
         log.removeFilter(keep)
-
-
-def attention_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """vLLM's attention layers: the modules that hold KV-cache scales."""
-    return [m for m in model.modules() if hasattr(m, "_k_scale") and hasattr(m, "kv_cache_dtype")]
-
-
-def unquantized_kv_cache_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The attention layers whose KV cache is in the engine's dtype."""
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-
-    return [m for m in attention_layers(model) if not is_quantized_kv_cache(m.kv_cache_dtype)]
-
-
-def fp8_kv_cache_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """{decoder layer: attention layer} of the attention layers with an FP8 KV cache, by the layer index
-    vLLM itself reads from their names; a decoder layer with two such layers cannot take one K and one V
-    scale per layer from the stream and is refused."""
-    from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.utils.torch_utils import is_quantized_kv_cache
-
-    layers: dict[int, torch.nn.Module] = {}
-    for layer in attention_layers(model):
-        if not is_quantized_kv_cache(layer.kv_cache_dtype):
-            continue
-        index = extract_layer_index(layer.layer_name)
-        if index in layers:
-            raise WeightReloadError(f"decoder layer {index} has more than one attention layer with an FP8 KV cache "
-                                    f"({layers[index].layer_name}, {layer.layer_name}); qurl_vllm sends one scale each")
-        layers[index] = layer
-    return layers
-
-
-def load_kv_cache_scales(layers: dict[int, torch.nn.Module], scales: dict[tuple[int, str], float]) -> dict[str, float]:
-    """After a reload: the streamed ``{(layer, part): scale}`` into the FP8 attention layers; returns
-    their range (``kv_scale_{k,v}_{min,max}``, empty without FP8 layers).
-
-    No scale in the stream (the first sync, before the actor has run a forward): vLLM's defaults, 1.0,
-    what an FP8 cache without calibration uses. Some but not all: ``WeightReloadError``, never a stale
-    scale. A scale for a layer without an FP8 cache, or not finite and > 0: ``WeightReloadError``."""
-    from qurl_verl.quant.kv_cache import KV_PARTS
-    from qurl_verl.rollout import vllm_versions
-
-    if not layers:
-        if scales:
-            raise WeightReloadError("the stream carries KV-cache scales, but this engine's KV cache is not FP8")
-        return {}
-    if not scales:
-        scales = {(index, part): 1.0 for index in layers for part in KV_PARTS}
-    unknown = sorted({index for index, _ in scales} - set(layers))
-    missing = sorted(f"{index}.{part}" for index in layers for part in KV_PARTS if (index, part) not in scales)
-    bad = sorted(f"{index}.{part}={value}" for (index, part), value in scales.items()
-                 if not (math.isfinite(value) and value > 0))
-    problems = [f"{what} {found[:6]}" for what, found in (
-        ("missing for layer.part", missing), ("for layers without an FP8 cache", unknown), ("not finite and > 0", bad),
-    ) if found]
-    if problems:
-        raise WeightReloadError(f"KV-cache scales of the stream: {'; '.join(problems)}")
-    with torch.no_grad():
-        for index, layer in layers.items():
-            vllm_versions.set_attention_scales(layer, *(scales[(index, part)] for part in KV_PARTS))
-    return {
-        f"kv_scale_{part}_{name}": fn(scales[(index, part)] for index in layers)
-        for part in ("k", "v") for name, fn in (("min", min), ("max", max))
-    }
-
-
-def reset_kv_cache_scales(attention_layers: list[torch.nn.Module]) -> None:
-    """After a reload: vLLM's defaults (1.0) in the KV-cache scales of attention layers with an
-    unquantized KV cache, as vLLM sets them there (``set_default_quant_scales``).
-
-    No stream delivers them, and the reload puts back whatever the layer held. Under vLLM 0.24 a
-    compressed-tensors model keeps ``_q_scale``/``_k_scale``/``_v_scale`` as *parameters* (its KV-cache
-    method assigns its ``k_scale`` Parameter to them), filled by the dummy load with random values;
-    a level-2 sleep (verl, ``enable_sleep_mode``) discards them and restores only buffers, leaving
-    uninitialized memory. The same goes for the scale ranges and host copies kept as plain
-    attributes. vLLM forces these scales to 1.0 for an unquantized KV cache, yet its GPU
-    FlashAttention still receives ``_q/_k/_v_scale`` as descale factors on every call: after the
-    reset they hold exactly vLLM's values, whatever the kernel does with them, and the sync
-    defines every tensor the engine holds."""
-    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
-
-    for layer in attention_layers:
-        set_default_quant_scales(layer, register_buffer=False)
 
 
 def check_reloaded_model(model: torch.nn.Module) -> None:

@@ -10,9 +10,9 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
   INT8 on Blackwell gets vLLM's Triton kernel and ``fp8_block`` the Cutlass block kernel, which keeps the
   streamed codes (``cuda_kernel_env``), through the environment the engine's processes inherit. Quantized MoE experts are checked against this
   server's own vLLM and platform (``engine_checks.check_quantized_experts``), as in the driver.
-* ``_preprocess_engine_kwargs``: vLLM's ``kv_cache_dtype`` from ``custom.qurl.kv_cache`` (the driver
-  refuses a ``kv_cache_dtype`` in ``engine_kwargs``), checked against this server's CPU and model; off
-  Hopper an FP8 cache gets vLLM's Triton attention, which reads the scales each sync writes.
+* ``_preprocess_engine_kwargs``: the run's settings into vLLM's ``additional_config``, where every worker
+  reads them, and what each sync feature adds to the engine's arguments, checked on this server's host
+  (``SyncFeature.engine_kwargs``).
 * ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
   layerwise-reload lifecycle at every sync.
 * ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
@@ -32,14 +32,14 @@ import ray
 import torch
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from qurl_verl.model_info import ModelInfo, moe_experts
+from qurl_verl.model_info import moe_experts
 from qurl_verl.platform.host import Host
-from qurl_verl.rollout.cuda_kernel_env import ATTENTION_BACKEND_KEY, fp8_kv_attention_backend, kernel_env
+from qurl_verl.rollout import features as sync_features
+from qurl_verl.rollout.cuda_kernel_env import kernel_env
 from qurl_verl.rollout.engine_checks import (
     check_architecture,
     check_fp8_block_shapes,
     check_fp8_hardware,
-    check_fp8_kv_cache,
     check_quantized_experts,
     check_vllm_version,
 )
@@ -85,19 +85,9 @@ class QurlvLLMHttpServer(vLLMHttpServer):
     def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:
         super()._preprocess_engine_kwargs(engine_kwargs)
         settings = RolloutSettings.from_rollout_config(self.config)
-        if settings.kv_cache.quantized:
-            from vllm.platforms import current_platform
-
-            host = Host.probe()
-            model = ModelInfo.of_config(self.model_config.hf_config.to_dict(), self.model_config.path)
-            check_fp8_kv_cache(settings, on_cpu=current_platform.is_cpu(), avx512=host.avx512, amx=host.amx,
-                               head_dim=model.head_dim, uses_mla=model.uses_mla)
-            backend = fp8_kv_attention_backend(settings.kv_cache, nvidia_capability(host.cuda_capability), engine_kwargs)
-            if backend:
-                logger.warning("qurl_vllm: FP8 KV cache on compute capability %s: attention_backend=%s, which reads the "
-                               "K/V scales each sync writes", host.cuda_capability, backend)
-                engine_kwargs[ATTENTION_BACKEND_KEY] = backend
-        engine_kwargs["kv_cache_dtype"] = settings.kv_cache.engine_dtype
+        engine_kwargs["additional_config"] = settings.additional_config(engine_kwargs.get("additional_config"))
+        for feature in sync_features.build(settings):
+            feature.engine_kwargs(engine_kwargs, self.model_config.hf_config, self.model_config.path)
 
     def _get_worker_extension_cls(self) -> str:
         return f"{QurlWorkerExtension.__module__}.{QurlWorkerExtension.__qualname__}"

@@ -1,113 +1,195 @@
-"""What one weight sync cost inside a vLLM worker, and how the ranks of one engine add up.
+"""What one weight sync cost inside a vLLM worker, and how the ranks of one engine and the syncs of one
+step add up.
 
 Every rank of a TP engine receives the full tensors and quantizes them itself (vLLM's loaders then
 keep the rank's shard), so the stream's counters and the code-change tracker's rates are the same on
 every rank. What differs is cost: a sync ends when its slowest rank does, and each rank holds its own
-process memory and tracker state. ``combine_ranks`` reports an engine as one row: seconds of the
-slowest rank, resident memory and tracker bytes summed over ranks (the host memory the engine holds),
-the rest from rank 0, and ``ranks``.
+process memory and tracker state. Each field says how it merges (``stat``): over the ranks of one
+engine (``combine_ranks``) and over two syncs of one step (``combine_syncs``, a feature's ``trainer_report``).
+The stream's counters, the sync's own and each sync feature's (``rollout.features``) are reported as
+one flat row.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
-from qurl_verl.rollout.weight_stream import StreamStats
+import torch
+
 from qurl_verl.settings import DEFAULT_WEIGHT_BITS
 
 logger = logging.getLogger("qurl_verl")
 
-# per-rank quantities of a sync: host memory each rank holds
-SUMMED_OVER_RANKS = ("rss_mb", "tracker_resident_bytes")
-# the same on every rank of an engine when its stream is whole: each rank sees every tensor
-SAME_ON_EVERY_RANK = ("sync", "format", "weight_bits", "buckets", "tensors_in", "quantized", "skipped", "bytes_in",
-                      "quantized_frac", "changed_code_frac", "update_to_error_ratio", "tracker_row_stride", "checksum",
-                      "kv_scale_layers_streamed", "kv_scale_k_min", "kv_scale_k_max", "kv_scale_v_min", "kv_scale_v_max", "base_frozen")
+# over the ranks of one engine
+SAME = "same"  # equal on every rank (each sees the whole stream); rank 0's, a warning if they differ
+SLOWEST = "slowest"  # seconds: the sync ends with its slowest rank
+SUMMED = "summed"  # host memory each rank holds
+# over two syncs of one step
+LAST, ADDED, FIRST, LEAST, CHECKSUM = "last", "added", "first", "least", "checksum"
+
+
+def stat(default: Any = None, *, ranks: str = SAME, syncs: str = LAST, prefix: str = "qurl/sync/"):
+    """A stats field and its merge rules; ``prefix``: the metric group it is logged under."""
+    return field(default=default, metadata={"ranks": ranks, "syncs": syncs, "prefix": prefix})
+
+
+def merge_rules(*types: type) -> dict[str, dict[str, str]]:
+    """{field name: its ``stat`` metadata} over stats dataclasses (plus their ``REPORTED`` extras)."""
+    rules: dict[str, dict[str, str]] = {}
+    for t in types:
+        rules.update({f.name: dict(f.metadata) for f in fields(t) if "ranks" in f.metadata})
+        rules.update(getattr(t, "REPORTED", {}))
+    return rules
+
+
+# Counted, but left out of the sync's report (``report``): passed_through is tensors_in - quantized -
+# skipped, and the element counts reach it as ``quantized_frac``.
+_NOT_REPORTED = {"reported": False}
+# The checksum stays below 2**40, so a metric averaged over a replica's ranks keeps it exact in float64.
+CHECKSUM_MODULUS = 2**40 - 87  # a prime
+CHECKSUM_MULTIPLIER = 1_000_003
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """The sum of ``t``'s bit patterns read as integers, plus its shape: exact, and independent of the
+    order in which the sum runs (one pass over the tensor, on its own device)."""
+    bits = t.detach().contiguous().view(_SAME_SIZE_INT[t.element_size()]) if t.is_floating_point() else t.detach()
+    checksum = int(bits.sum(dtype=torch.int64)) % CHECKSUM_MODULUS
+    for size in t.shape:
+        checksum = (checksum * CHECKSUM_MULTIPLIER + size) % CHECKSUM_MODULUS
+    return checksum
+
+
+@dataclass
+class StreamStats:
+    tensors_in: int = stat(0, syncs=ADDED)
+    quantized: int = stat(0, syncs=ADDED)
+    passed_through: int = field(default=0, metadata=_NOT_REPORTED)
+    skipped: int = stat(0, syncs=ADDED)  # dropped before any copy: names in ``WeightStreamQuantizer.skip``
+    bytes_in: int = stat(0, syncs=ADDED)
+    numel_in: int = field(default=0, metadata=_NOT_REPORTED)  # elements of the tensors loaded (skipped ones not counted)
+    quantized_numel: int = field(default=0, metadata=_NOT_REPORTED)  # ... of which sent as 8-bit codes
+    quantize_s: float = stat(0.0, ranks=SLOWEST, syncs=ADDED)  # quantizing the targeted weights
+    copy_s: float = stat(0.0, ranks=SLOWEST, syncs=ADDED)  # copying pass-through tensors out of the transport buffer
+    code_change_s: float = stat(0.0, ranks=SLOWEST, syncs=ADDED)  # the update-visibility tracker
+    # a checksum of every tensor the stream handed the engine (codes, scales, pass-through), by name:
+    # equal on two replicas that loaded the same bits, whatever their buckets (``tensor_checksum``)
+    checksum: int = stat(0, syncs=CHECKSUM)
+    # reported beside the fields: over two syncs of one step, the share sent in 8 bits is the first's (the base's)
+    REPORTED: ClassVar[dict] = {"quantized_frac": {"ranks": SAME, "syncs": FIRST, "prefix": "qurl/sync/"}}
+
+    @property
+    def quantized_frac(self) -> float | None:
+        """Share of the loaded weight elements sent as 8-bit codes: what the rollout runs quantized
+        (with an MoE model's experts in bf16, a small share); None before any element arrived."""
+        return self.quantized_numel / self.numel_in if self.numel_in else None
+
+    def add_checksum(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Order-free: buckets may be cut differently; each tensor weighted by its name."""
+        for name, t in named_tensors:
+            self.checksum = (self.checksum + (zlib.crc32(name.encode()) + 1) * tensor_checksum(t)) % CHECKSUM_MODULUS
+
+    def count_loaded_as_is(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Tensors the engine takes as they arrive (through verl's own loader, not the stream)."""
+        self.tensors_in += len(named_tensors)
+        self.passed_through += len(named_tensors)
+        self.bytes_in += sum(t.numel() * t.element_size() for _, t in named_tensors)
+        self.numel_in += sum(t.numel() for _, t in named_tensors)
+        self.add_checksum(named_tensors)
+
+    def report(self) -> dict[str, int | float | None]:
+        """The counters a sync reports (``worker_extension.SyncStats``), flat, with ``quantized_frac``."""
+        reported = {f.name: getattr(self, f.name) for f in fields(self) if "ranks" in f.metadata}
+        return {**reported, "quantized_frac": self.quantized_frac}
 
 
 @dataclass
 class SyncStats:
     """Cost of one weight sync inside the vLLM worker (seconds; bytes as received).
 
-    Reported flat (``as_dict``): the stream's counters (``StreamStats.report``) beside the sync's own."""
+    Reported flat (``as_dict``): the stream's counters (``StreamStats.report``) and each feature's
+    stats (``features``) beside the sync's own."""
 
-    sync: int
-    format: str
-    weight_bits: int = DEFAULT_WEIGHT_BITS  # integer code width of the quantized weights (8 = INT8)
-    total_s: float = 0.0
-    load_s: float = 0.0  # model.load_weights, including each layer's post-processing (prepack)
-    finalize_s: float = 0.0
-    buckets: int = 0
+    sync: int = stat()
+    format: str = stat()
+    weight_bits: int = stat(DEFAULT_WEIGHT_BITS)  # integer code width of the quantized weights (8 = INT8)
+    total_s: float = stat(0.0, ranks=SLOWEST, syncs=ADDED)
+    load_s: float = stat(0.0, ranks=SLOWEST, syncs=ADDED)  # model.load_weights, with each layer's post-processing
+    finalize_s: float = stat(0.0, ranks=SLOWEST, syncs=ADDED)
+    buckets: int = stat(0, syncs=ADDED)
     stream: StreamStats = field(default_factory=StreamStats)  # the stream's own, counted as it runs
-    rss_mb: float = 0.0  # worker resident memory after the sync, to watch for leaks
-    # QuRL's weight-update problem: share of the tracked 8-bit codes this sync changed, and
-    # ||W_new - W_prev|| / ||Q(W_prev) - W_prev|| (None on the first sync or with tracking off)
-    changed_code_frac: float | None = None
-    update_to_error_ratio: float | None = None
-    # The tracker's state (CPU, bounded): bytes held across syncs, and the row stride it samples at
-    # (the requested one, or larger where the byte cap needed it; 0 = tracking off)
-    tracker_resident_bytes: int = 0
-    tracker_row_stride: int = 0
-    # An FP8 KV cache's scales after the sync: how many layers took theirs from the stream (0: vLLM's
-    # default 1.0 everywhere, the first sync), and the range of the K and V scales (None: no FP8 cache)
-    kv_scale_layers_streamed: int = 0
-    kv_scale_k_min: float | None = None
-    kv_scale_k_max: float | None = None
-    kv_scale_v_min: float | None = None
-    kv_scale_v_max: float | None = None
-    # LoRA adapter mode: 1 for a sync that carried only the adapters (the 8-bit base, quantized at the
-    # first sync, did not change; the code-change tracker is off)
-    base_frozen: int = 0
+    rss_mb: float = stat(0.0, ranks=SUMMED)  # worker resident memory after the sync, to watch for leaks
+    features: dict = field(default_factory=dict)  # {feature name: its stats instance}
 
     def as_dict(self) -> dict:
-        """What ``qurl_last_sync`` returns to the trainer: one flat dict, ``stream`` spread in place."""
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out.update(value.report() if f.name == "stream" else {f.name: value})
+        """What ``qurl_last_sync`` returns to the trainer: one flat dict, ``stream`` and ``features`` spread."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("stream", "features")}
+        out.update(self.stream.report())
+        for stats in self.features.values():
+            out.update({f.name: getattr(stats, f.name) for f in fields(stats)})
         return out
 
     def as_metrics(self, prefix: str = "qurl/sync/") -> dict[str, float]:
         return {prefix + k: float(v) for k, v in self.as_dict().items() if k != "format" and v is not None}
 
 
+def all_rules(feature_stats: Sequence[type] = ()) -> dict[str, dict[str, str]]:
+    """The merge rules of every field a sync reports: the sync's, the stream's, and the features' (their stats types)."""
+    return merge_rules(SyncStats, StreamStats, *feature_stats)
 
-def combine_ranks(per_rank: Sequence[dict | None]) -> dict | None:
-    """One engine's sync, from its ranks' ``SyncStats.as_dict()`` (None where a rank reported nothing):
-    ``*_s`` the slowest rank's, ``SUMMED_OVER_RANKS`` summed, the rest rank 0's, plus ``ranks``."""
+
+def combine_ranks(per_rank: Sequence[dict | None], feature_stats: Sequence[type] = ()) -> dict | None:
+    """One engine's sync, from its ranks' ``SyncStats.as_dict()`` (None where a rank reported nothing),
+    by each field's ``ranks`` rule (unknown fields: rank 0's), plus ``ranks``."""
     rows = [r for r in per_rank if r]
     if not rows:
         return None
+    rules = all_rules(feature_stats)
     out = dict(rows[0])
     for key in out:
         values = [r.get(key) for r in rows]
-        if key.endswith("_s"):
+        rule = rules.get(key, {}).get("ranks")
+        if rule == SLOWEST:
             out[key] = max(v for v in values if v is not None)
-        elif key in SUMMED_OVER_RANKS:
+        elif rule == SUMMED:
             out[key] = sum(v for v in values if v is not None)
-        elif key in SAME_ON_EVERY_RANK and len(set(map(repr, values))) > 1:
+        elif rule == SAME and len(set(map(repr, values))) > 1:
             logger.warning("qurl_vllm sync: ranks disagree on %s: %s", key, values)
     out["ranks"] = len(rows)
     return out
 
 
-# what a step that synced twice paid in all (a LoRA run's step 1: the base, then the adapters)
-ADDED_OVER_SYNCS = ("total_s", "quantize_s", "copy_s", "code_change_s", "load_s", "finalize_s", "buckets",
-                    "tensors_in", "quantized", "skipped", "bytes_in")
-
-
-def combine_syncs(first: dict, then: dict) -> dict:
-    """One step's report from two syncs in a row (``combine_ranks`` rows; a LoRA run's step 1: the base,
-    then the adapters): costs and counts added, the checksum of everything loaded (the stream's checksum
-    is an order-free sum), the share sent in 8 bits and ``base_frozen`` (0: the base changed) from the
-    first, the rest from the later one."""
-    from qurl_verl.rollout.weight_stream import CHECKSUM_MODULUS
-
+def combine_syncs(first: dict, then: dict, feature_stats: Sequence[type] = ()) -> dict:
+    """One step's report from two syncs in a row (``combine_ranks`` rows), by each field's ``syncs`` rule:
+    costs and counts added, the checksum of everything loaded (an order-free sum), the first's or the
+    least where a field says so, the rest from the later one."""
     out = dict(then)
-    for key in ADDED_OVER_SYNCS:
-        out[key] = (first.get(key) or 0) + (then.get(key) or 0)
-    out["checksum"] = ((first.get("checksum") or 0) + (then.get("checksum") or 0)) % CHECKSUM_MODULUS
-    out["quantized_frac"] = first.get("quantized_frac")
-    out["base_frozen"] = min(first.get("base_frozen", 0), then.get("base_frozen", 0))
+    for key, rule in all_rules(feature_stats).items():
+        rule = rule.get("syncs")
+        if rule == ADDED:
+            out[key] = (first.get(key) or 0) + (then.get(key) or 0)
+        elif rule == CHECKSUM:
+            out[key] = ((first.get(key) or 0) + (then.get(key) or 0)) % CHECKSUM_MODULUS
+        elif rule == FIRST:
+            out[key] = first.get(key)
+        elif rule == LEAST:
+            out[key] = min(first.get(key, 0), then.get(key, 0))
     return out
+
+
+def metric_groups(stats: dict | None, replica_rank: int = 0, feature_stats: Sequence[type] = ()) -> dict[str, dict[str, float]]:
+    """{metric prefix: {metric: value}} of a reported sync: numbers only, each field under its group's
+    prefix; the checksum as one key per replica (verl averages a key over ranks)."""
+    groups: dict[str, dict[str, float]] = {}
+    rules = all_rules(feature_stats)
+    for key, value in (stats or {}).items():
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        prefix = rules.get(key, {}).get("prefix", "qurl/sync/")
+        name = f"{prefix}{key}/replica_{replica_rank}" if key == "checksum" else f"{prefix}{key}"
+        groups.setdefault(prefix, {})[name] = float(value)
+    return groups

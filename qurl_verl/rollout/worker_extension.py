@@ -5,17 +5,18 @@ One weight sync (``update_weights_from_ipc``) is one pass of vLLM's layerwise-re
 
     receive          verl's buckets off the transport (``_receive``); on failure the rest is drained
     start_reload     initialize_layerwise_reload: layers back to checkpoint format, on meta
-    load_bucket      per bucket: quantize (``weight_stream``), then model.load_weights; each layer
-                     is post-processed (int8 prepack, transposes) as soon as all its tensors arrived
+    load_bucket      per bucket: what a feature takes out of the stream, then quantize (``weight_stream``),
+                     then model.load_weights; each layer is post-processed (int8 prepack, transposes) as
+                     soon as all its tensors arrived
     check_streamed   every layer fully streamed (vocabulary padding rows excepted)
-    finalize_reload  finalize_layerwise_reload, the per-reload CPU fixes, the KV-cache scales (an FP8
-                     cache's from the stream, a bf16 cache's back to vLLM's defaults), verl's buffer updates
+    finalize_reload  finalize_layerwise_reload, the per-reload CPU fixes, each feature's step, verl's
+                     buffer updates
     check_reloaded   nothing left on meta, weight scales finite and > 0
-    summarize        the sync's ``SyncStats``
+    summarize        the sync's ``SyncStats``, with each feature's
 
-With LoRA adapters (verl's ``peft_config``) the base comes once, as such a sync (under verl's
-``<layer>.base_layer.<tensor>`` names, quantized under the checkpoint's), and every later sync carries
-only the adapters, which go through verl's own ``add_lora`` path (``qurl_sync_adapters``).
+Everything a sync carries beyond the codes is a feature (``rollout.features``), with its steps inside
+these; a feature may also run a sync itself (``own_sync``). The run's settings come once, with the
+engine (``RolloutSettings.from_additional_config``), and each worker builds its features once.
 
 The helpers around vLLM's reload live in ``layerwise_reload``. A tied ``lm_head.weight`` in the
 stream is dropped before it is copied (``qurl_verl.tied_lm_head``; counted as ``skipped``): the
@@ -44,22 +45,15 @@ from verl.workers.rollout.vllm_rollout.weight_update_utils import apply_buffer_u
 
 from qurl_verl.patches import vllm_worker as vllm_worker_patches
 from qurl_verl.patches.vllm_cpu_worker import after_reload, before_model_load, vllm_cpu_tied_lm_head_refresh
-from qurl_verl.quant import UpdateVisibilityTracker
-from qurl_verl.quant.kv_cache import parse_kv_scale_name
-from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
-from qurl_verl.rollout import int8_gemm_report, layerwise_reload, vllm_versions
+from qurl_verl.rollout import features as sync_features
+from qurl_verl.rollout import int8_gemm_report, layerwise_reload
 from qurl_verl.rollout.layerwise_reload import WeightReloadError
 from qurl_verl.rollout.sync_stats import SyncStats
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
-from qurl_verl.settings import DEFAULT_WEIGHT_BITS, RolloutSettings
+from qurl_verl.settings import RolloutSettings
 from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES, tied_output_embedding
 
 logger = logging.getLogger("qurl_verl")
-
-# verl names a LoRA run's base weights ``<layer>.base_layer.<tensor>`` (``replace_lora_wrapper``, every
-# q/k/v/o/gate/up/down projection whether or not an adapter targets it); the stream quantizes and
-# tracks them under the checkpoint's names, and ``WeightSync.loader_name`` gives the loader its own
-LORA_BASE_LAYER = ".base_layer."
 
 
 class QurlWorkerExtension(vLLMColocateWorkerExtension):
@@ -69,11 +63,11 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         instance = super().__new__(cls, **kwargs)
         vllm_worker_patches.apply_all()
         cls._install_cpu_patches()
-        instance._qurl_syncs = 0
+        instance.qurl_syncs = 0
         instance._qurl_last_sync = None
         instance._qurl_broken = None
-        instance._qurl_tracker = None
-        instance._qurl_adapter_stream = None  # the counters of a LoRA adapter sync while it runs
+        instance._qurl_features = None
+        instance.qurl_loaded_as_is = None  # a feature's sync through verl's own loader counts here while it runs
         return instance
 
     @classmethod
@@ -87,58 +81,39 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
     # ------------------------------------------------------------------ verl entry point
 
-    def update_weights_from_ipc(
-        self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False, code_change_row_stride: int = 0,
-        code_change_max_bytes: int | None = DEFAULT_TRACKER_MAX_BYTES, weight_bits: int = DEFAULT_WEIGHT_BITS,
-    ):
+    def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
         """verl's per-step sync (`ServerAdapter.update_weights`): receive buckets, reload, return stats.
 
-        ``code_change_row_stride`` (sent by QurlServerAdapter from the rollout settings): track the
-        code-change rate on every Nth row of each quantized weight; 0 = off. ``code_change_max_bytes``:
-        cap on the tracker's CPU state in this worker (None = unbounded); the stride rises to fit.
-        ``weight_bits``: width of the integer weight codes (``custom.qurl.weight_bits``), which the
-        engine's quantization config cannot carry (the INT8 kernel is the same for every width)."""
+        A feature may run a sync itself (``SyncFeature.own_sync``: adapters over a frozen base); a sync that
+        carries a base the later syncs leave alone (verl's ``peft_config`` before ``base_sync_done``) is
+        reloaded as any other, untracked (``WeightSync.frozen_base``)."""
         from verl.utils.device import get_device_name
         from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
 
-        if peft_config and base_sync_done:
-            return self.qurl_sync_adapters(peft_config, use_shm)
+        for feature in self.qurl_features():
+            stats = feature.own_sync(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+            if stats is not None:
+                self._record(stats)
+                return self.qurl_last_sync()
         if self.device is None:
             self.device = torch.device(f"{get_device_name()}:{self.local_rank}")
         receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=self.device, use_shm=use_shm)
         if self._qurl_broken:  # drained all the same, for the trainer's sender to finish (see _receive)
             receiver.receive_weights(on_bucket_received=lambda weights, is_last: None)
             self._raise_if_broken()
-        if peft_config:  # LoRA's base, once: the adapters follow at every sync (qurl_sync_adapters)
-            code_change_row_stride = 0
-            logger.warning("qurl_vllm: LoRA adapters: the base is quantized once, now; later syncs carry the "
-                           "adapters only (full precision), and the code-change tracker is off (pid %d)", os.getpid())
-        with self.qurl_weight_reload(code_change_row_stride, code_change_max_bytes, weight_bits) as load_bucket:
+        with self.qurl_weight_reload(frozen_base=bool(peft_config)) as load_bucket:
             _receive(receiver, load_bucket)
         return self.qurl_last_sync()
 
-    def qurl_sync_adapters(self, peft_config: dict, use_shm: bool) -> dict:
-        """A LoRA sync after the base's: verl's own path (remove the adapter, receive the new one whole,
-        ``add_lora``) in the rollout dtype; vLLM's LoRA layers add it to the 8-bit base's output. The
-        base is not touched, so the code-change tracker has nothing to see: the stats say so
-        (``base_frozen``) and carry no update rates."""
-        self._raise_if_broken()
-        start = time.perf_counter()
-        stats = SyncStats(sync=self._qurl_syncs + 1, format=self.qurl_settings().format.value, base_frozen=1)
-        self._qurl_adapter_stream = stats.stream
-        try:
-            super().update_weights_from_ipc(peft_config=peft_config, base_sync_done=True, use_shm=use_shm)
-        finally:
-            self._qurl_adapter_stream = None
-        stats.total_s = stats.load_s = time.perf_counter() - start
-        stats.rss_mb = psutil.Process().memory_info().rss / 2**20
-        self._record(stats)
-        return self.qurl_last_sync()
+    def verl_update_weights_from_ipc(self, **kwargs):
+        """verl's own sync, for a feature that loads through it (``own_sync``)."""
+        return super().update_weights_from_ipc(**kwargs)
 
     def _update_weights(self, weights, peft_config, base_sync_done):
-        """verl's loader, called here for the adapters only; counts what ``add_lora`` gets."""
-        if self._qurl_adapter_stream is not None:
-            self._qurl_adapter_stream.count_loaded_as_is(list(weights))
+        """verl's loader, reached only through ``verl_update_weights_from_ipc``; counts what it gets."""
+        if self.qurl_loaded_as_is is not None:
+            weights = list(weights)
+            self.qurl_loaded_as_is.count_loaded_as_is(weights)
         return super()._update_weights(weights, peft_config=peft_config, base_sync_done=base_sync_done)
 
     def qurl_last_sync(self) -> dict | None:
@@ -150,22 +125,24 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
 
     # ------------------------------------------------------------------ the reload itself
 
-    def qurl_settings(self, weight_bits: int = DEFAULT_WEIGHT_BITS) -> RolloutSettings:
-        hf_config = self.model_runner.vllm_config.model_config.hf_config
-        return RolloutSettings.from_quantization_config(getattr(hf_config, "quantization_config", None), weight_bits)
+    def qurl_settings(self) -> RolloutSettings:
+        """The run's settings, as the server put them in the engine's ``additional_config``."""
+        return RolloutSettings.from_additional_config(self.model_runner.vllm_config.additional_config)
+
+    def qurl_features(self) -> list[sync_features.SyncFeature]:
+        """The run's sync features, built once per worker (they keep state across syncs)."""
+        if self._qurl_features is None:
+            self._qurl_features = sync_features.build(self.qurl_settings())
+        return self._qurl_features
 
     @contextmanager
-    def qurl_weight_reload(
-        self, code_change_row_stride: int = 0, code_change_max_bytes: int | None = DEFAULT_TRACKER_MAX_BYTES,
-        weight_bits: int = DEFAULT_WEIGHT_BITS,
-    ):
+    def qurl_weight_reload(self, frozen_base: bool = False):
         """One sync. Yields ``load_bucket(named_tensors)``; call it once per bucket, in stream order."""
         self._raise_if_broken()
         if self._use_mtp_drafter_weight_sync():
             raise NotImplementedError("qurl_vllm does not sync MTP drafter weights")
-        settings = self.qurl_settings(weight_bits)
-        tracker = self._code_change_tracker(settings, code_change_row_stride, code_change_max_bytes)
-        sync = WeightSync(self.model_runner, self.device or torch.device("cpu"), settings, tracker, self._qurl_syncs + 1)
+        sync = WeightSync(self.model_runner, self.device or torch.device("cpu"), self.qurl_settings(),
+                          self.qurl_features(), self.qurl_syncs + 1, frozen_base=frozen_base)
         try:
             sync.start_reload(self._qurl_param_dtypes)
             yield sync.load_bucket
@@ -177,34 +154,21 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
             raise WeightReloadError(f"weight sync {sync.stats.sync} failed; the rollout engine is unusable: {e}") from e
         self._record(sync.summarize())
 
-    def _code_change_tracker(
-        self, settings: RolloutSettings, row_stride: int, max_bytes: int | None
-    ) -> UpdateVisibilityTracker | None:
-        """One tracker across syncs (it holds the previous sync's sampled weights and codes), its state
-        in CPU memory: it lives for the whole run, outside the accelerator memory vLLM budgets for."""
-        tracker = self._qurl_tracker
-        if not settings.quantized or row_stride <= 0:
-            self._qurl_tracker = None
-        elif tracker is None or (tracker.fmt.name, tracker.row_stride, tracker.max_resident_bytes) != (
-            settings.quant_format, row_stride, max_bytes
-        ):
-            self._qurl_tracker = UpdateVisibilityTracker(
-                settings.quant_format, settings.format.granularity, ignore=settings.ignore_patterns,
-                row_stride=row_stride, storage_device="cpu", max_resident_bytes=max_bytes,
-            )
-        return self._qurl_tracker
-
-    def _qurl_param_dtypes(self, model: torch.nn.Module) -> dict[str, torch.dtype]:
+    def _qurl_param_dtypes(self, model: torch.nn.Module, stream_name) -> dict[str, torch.dtype]:
         """``layerwise_reload.param_dtypes``, read once, on the first sync right after
         ``initialize_layerwise_reload``: the model's structure never changes between syncs."""
         if getattr(self, "_qurl_dtypes", None) is None:
-            self._qurl_dtypes = layerwise_reload.param_dtypes(model)
+            self._qurl_dtypes = layerwise_reload.param_dtypes(model, stream_name)
         return self._qurl_dtypes
 
     def _record(self, stats: SyncStats) -> None:
-        """Keep the sync's stats for ``qurl_last_sync`` and log them; at the first quantized sync, which
-        GEMM the INT8 linears run (what the hardware gave them, visible in every run's log)."""
-        self._qurl_syncs += 1
+        """Keep the sync's stats for ``qurl_last_sync`` (every registered feature's fields, at their defaults where
+        it reported none: the same keys at every sync) and log them; at the first quantized sync, which GEMM the INT8 linears run (what the
+        hardware gave them, visible in every run's log)."""
+        for feature in sync_features.registered():
+            if feature.stats is not None:
+                stats.features.setdefault(feature.name, feature.stats())
+        self.qurl_syncs += 1
         self._qurl_last_sync = stats
         if stats.sync == 1 and stats.stream.quantized:
             gemms = int8_gemm_report.count(int8_gemm_report.int8_gemms(self.model_runner.model))
@@ -249,48 +213,54 @@ def _receive(receiver, load_bucket: Callable) -> None:
 
 
 class WeightSync:
-    """One weight sync of one engine, its steps as methods in the order they run (module docstring).
+    """One weight sync of one engine, its steps as methods in the order they run (module docstring); each
+    enabled feature's worker steps run inside them (``rollout.features``).
 
     Built while the model is intact: a tied lm_head is read before the reload gives it a meta weight
-    of its own, and the attention layers before the reload."""
+    of its own, and the features read what they need (the attention layers) before the reload.
+    ``frozen_base``: the base this sync loads stays as it is for the rest of the run (trained adapters over it)."""
 
     def __init__(self, model_runner, device: torch.device, settings: RolloutSettings,
-                 tracker: UpdateVisibilityTracker | None, number: int):
+                 features: list[sync_features.SyncFeature], number: int, frozen_base: bool = False):
         self.model = model_runner.model
         self.model_config = model_runner.vllm_config.model_config
         self.device = device
-        self.tracker = tracker
-        self.attention_layers = layerwise_reload.unquantized_kv_cache_layers(self.model)
-        self.fp8_kv_layers = layerwise_reload.fp8_kv_cache_layers(self.model)
-        self.kv_scales: dict[tuple[int, str], float] = {}  # (layer, part) -> scale, as streamed
+        self.features = features
+        self.frozen_base = frozen_base
         skip = TIED_LM_HEAD_NAMES if tied_output_embedding(self.model) is not None else frozenset()
         self.tied_lm_head = vllm_cpu_tied_lm_head_refresh.tied_lm_head(self.model)
-        self.stream = WeightStreamQuantizer(settings, tracker=tracker, skip=skip)
+        self.stream = WeightStreamQuantizer(settings, skip=skip)
         self.stats = SyncStats(sync=number, format=settings.format.value, weight_bits=settings.weight_bits,
                                stream=self.stream.stats)
         self.buffer_names = {name for name, _ in self.model.named_buffers()}
-        self.loader_name = vllm_versions.lora_base_layer_renamer(self.model)  # the identity without LoRA
         self.buffer_updates: list[tuple[str, torch.Tensor]] = []
+        for feature in features:
+            feature.prepare(self)
 
-    def start_reload(self, param_dtypes: Callable[[torch.nn.Module], dict[str, torch.dtype]]) -> None:
-        """The model back to checkpoint format, on meta until streamed; ``param_dtypes`` read then."""
+    def stream_name(self, name: str) -> str:
+        for feature in self.features:
+            name = feature.stream_name(name)
+        return name
+
+    def loader_name(self, name: str) -> str:
+        for feature in self.features:
+            name = feature.loader_name(name)
+        return name
+
+    def start_reload(self, param_dtypes: Callable) -> None:
+        """The model back to checkpoint format, on meta until streamed; ``param_dtypes(model, stream_name)`` read then."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.start = time.perf_counter()
         with torch.device(self.device):
             initialize_layerwise_reload(self.model)
-        self.stream.param_dtypes = param_dtypes(self.model)
+        self.stream.param_dtypes = param_dtypes(self.model, self.stream_name)
 
     def load_bucket(self, named_tensors) -> None:
-        """One received bucket: quantized or copied by the stream, then loaded (buffers and KV-cache scales
-        kept for the end)."""
-        weights = []
-        for name, tensor in named_tensors:
-            kv = parse_kv_scale_name(name)
-            if kv is None:
-                weights.append((name.replace(LORA_BASE_LAYER, ".", 1), tensor))
-            else:
-                self.kv_scales[kv] = float(tensor)
+        """One received bucket: what a feature takes, out; the rest quantized or copied by the stream, then
+        loaded (buffers kept for the end)."""
+        weights = [(self.stream_name(name), tensor) for name, tensor in named_tensors
+                   if not any(feature.take(name, tensor) for feature in self.features)]
         tensors = self.stream.transform(weights)
         self.buffer_updates.extend((n, t) for n, t in tensors if n in self.buffer_names)
         params = [(self.loader_name(n), t) for n, t in tensors if n not in self.buffer_names]
@@ -304,8 +274,8 @@ class WeightSync:
         layerwise_reload.check_all_layers_loaded(self.model, allowed_missing=self.tied_lm_head)
 
     def finalize_reload(self, refresh: Callable[[torch.nn.Module], None]) -> None:
-        """finalize_layerwise_reload, then what it leaves undone: ``refresh`` (the CPU fixes), the
-        KV-cache scales, verl's buffer updates."""
+        """finalize_layerwise_reload, then what it leaves undone: ``refresh`` (the CPU fixes), each feature's
+        step, verl's buffer updates."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         start = time.perf_counter()
@@ -316,12 +286,8 @@ class WeightSync:
         ):
             finalize_layerwise_reload(self.model, self.model_config)
         refresh(self.model)
-        with torch.device(self.device), torch.no_grad():  # 0.24's scale parameters require grad
-            layerwise_reload.reset_kv_cache_scales(self.attention_layers)
-            kv_range = layerwise_reload.load_kv_cache_scales(self.fp8_kv_layers, self.kv_scales)
-        for key, value in kv_range.items():
-            setattr(self.stats, key, value)
-        self.stats.kv_scale_layers_streamed = len({layer for layer, _ in self.kv_scales})
+        for feature in self.features:
+            feature.after_finalize(self)
         apply_buffer_updates(self.model, self.buffer_updates)
         self.stats.finalize_s = time.perf_counter() - start
 
@@ -329,16 +295,12 @@ class WeightSync:
         layerwise_reload.check_reloaded_model(self.model)
 
     def summarize(self) -> SyncStats:
-        """The sync's stats, completed: total time, worker memory, and the tracker's summary of the step."""
+        """The sync's stats, completed: total time, worker memory, and each feature's."""
         stats = self.stats
         stats.total_s = time.perf_counter() - self.start
         stats.rss_mb = psutil.Process().memory_info().rss / 2**20
-        if self.tracker is not None:
-            summary = self.tracker.end_step()
-            stats.tracker_resident_bytes = summary["tracker"]["resident_bytes"]
-            stats.tracker_row_stride = summary["tracker"]["row_stride"]
-            overall = summary["overall"]
-            if overall["numel"]:
-                stats.changed_code_frac = overall["changed_fraction"]
-                stats.update_to_error_ratio = overall["update_to_error_ratio"]
+        for feature in self.features:
+            summary = feature.summarize(self)
+            if summary is not None:
+                stats.features[feature.name] = summary
         return stats

@@ -39,6 +39,25 @@ def raise_problems(headline: str, found: list[str]) -> None:
         raise QurlConfigError(headline + "\n  " + "\n  ".join(found))
 
 
+@dataclass(frozen=True)
+class Check:
+    """One driver check: the rule as one line, whether a run is subject to it, the check (raises
+    ``QurlConfigError`` naming the fix), and that fix (tests find it in the message). The driver's table
+    (``driver.checks``) and each sync feature's rows (``rollout.features``) are made of these."""
+
+    what: str
+    applies: Callable[[Any], bool]
+    check: Callable[[Any], None]
+    fix: str
+
+
+def refuse_first(table: Iterable[Check], subject: Any) -> None:
+    """Run each row that applies, in order; the first refusal stops the run."""
+    for row in table:
+        if row.applies(subject):
+            row.check(subject)
+
+
 def is_number(v: Any) -> bool:
     """A finite int or float (a bool is not a number here)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

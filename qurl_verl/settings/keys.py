@@ -18,8 +18,11 @@ MODEL_PATH_KEY = "actor_rollout_ref.model.path"
 ROLLOUT_CORRECTION_KEY = "algorithm.rollout_correction"
 # verl's sender packs each step's tensors into one buffer of this many MiB
 # (verl/workers/rollout/vllm_rollout/vllm_rollout.py:235-240).
-ENGINE_KV_CACHE_DTYPE_KEY = f"{ROLLOUT_KEY}.engine_kwargs.vllm.kv_cache_dtype"  # verl passes it to vLLM as is
 CHECKPOINT_ENGINE_KEY = f"{ROLLOUT_KEY}.checkpoint_engine.backend"
+# the backends of the sync where the actor process itself streams to its colocated engine
+# (ServerAdapter.update_weights); others stream from a separate checkpoint-engine process, which never
+# sees the actor's forwards, and send the whole model at once
+COLOCATED_SYNC_BACKENDS = (None, "naive")
 BUCKET_MB_KEY = f"{ROLLOUT_KEY}.checkpoint_engine.update_weights_bucket_megabytes"
 TRAINER_DTYPE_KEY = "actor_rollout_ref.actor.fsdp_config.model_dtype"  # fp32 by default (engine/fsdp.yaml)
 ACTOR_STRATEGY_KEY = "actor_rollout_ref.actor.strategy"

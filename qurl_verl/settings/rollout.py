@@ -1,8 +1,11 @@
-"""The ``qurl_vllm`` rollout group: ``actor_rollout_ref.rollout.{quantization, custom.qurl.*}``, read in
-the driver, the vLLM server, the adapter and the worker.
+"""The ``qurl_vllm`` rollout group: ``actor_rollout_ref.rollout.{quantization, custom.qurl.*}``.
 
-A new ``custom.qurl`` setting (an FP8 KV cache, LoRA) is a field of ``RolloutSettings``, its name in
-``ROLLOUT_CUSTOM_KEYS``, its default beside the others, and its check in ``__post_init__``.
+Read from verl's config in the driver, the vLLM server and the trainer's adapter; the server hands them
+to the engine's workers once, as data, in vLLM's ``additional_config`` (``ENGINE_CONFIG_KEY``), visible in
+every worker (``additional_config`` / ``from_additional_config``).
+
+A new ``custom.qurl`` setting is a field of ``RolloutSettings``, its name in ``ROLLOUT_CUSTOM_KEYS``, its
+default beside the others, and its check in ``__post_init__``.
 """
 from __future__ import annotations
 
@@ -78,6 +81,7 @@ DEFAULT_CODE_CHANGE_ROW_STRIDE = 8
 DEFAULT_WEIGHT_BITS = MAX_INT_BITS
 # host memory of the tracker per vLLM worker (the pure layer's cap); the stride rises to fit
 DEFAULT_CODE_CHANGE_MAX_MB = DEFAULT_TRACKER_MAX_BYTES // 2**20
+ENGINE_CONFIG_KEY = "qurl"  # where the settings travel in vLLM's additional_config
 ROLLOUT_CUSTOM_KEYS = ("ignore", "code_change_row_stride", "code_change_max_mb", "weight_bits", "experts", "kv_cache")
 
 
@@ -235,23 +239,22 @@ class RolloutSettings:
             kv_cache=custom.get("kv_cache") or DEFAULT_KV_CACHE,
         )
 
+    def additional_config(self, existing: Mapping | None = None) -> dict:
+        """vLLM's ``additional_config`` with these settings under ``ENGINE_CONFIG_KEY``: JSON values only (vLLM
+        hashes the dict into its compile-cache key), all fixed for the run."""
+        return {**dict(existing or {}), ENGINE_CONFIG_KEY: {
+            "format": self.format.value, "ignore": list(self.ignore), "code_change_row_stride": self.code_change_row_stride,
+            "code_change_max_mb": self.code_change_max_mb, "weight_bits": self.weight_bits,
+            "experts": self.experts.value, "kv_cache": self.kv_cache.value,
+        }}
+
     @classmethod
-    def from_quantization_config(cls, config: Mapping | None, weight_bits: int = DEFAULT_WEIGHT_BITS) -> RolloutSettings:
-        """Recover the settings from the engine's own ``quantization_config``: the vLLM worker
-        quantizes exactly what the engine was built to run, whatever process built it. The INT8
-        kernel is the same for every ``weight_bits``, so the trainer side sends that one with each sync."""
-        if not config:
-            return cls(format=RolloutFormat.BF16)
-        group = config["config_groups"]["group_0"]["weights"]
-        fmt = {
-            ("int", "channel"): RolloutFormat.INT8,
-            ("float", "channel"): RolloutFormat.FP8,
-            ("float", "block"): RolloutFormat.FP8_BLOCK,
-        }.get((group["type"], group["strategy"]))
-        if fmt is None or config.get("quant_method") != "compressed-tensors":
-            raise ValueError(f"not a {ROLLOUT_NAME} quantization_config: {str(config)[:300]}")
-        patterns = tuple(config.get("ignore", ()))
-        fixed = {*vllm_ignore_patterns((*DEFAULT_IGNORE, *ROUTER_MODULES)), EXPERTS_IGNORE}
-        return cls(format=fmt, ignore=tuple(p for p in patterns if p not in fixed),
-                   weight_bits=weight_bits if fmt is RolloutFormat.INT8 else DEFAULT_WEIGHT_BITS,
-                   experts=ExpertsPrecision.BF16 if EXPERTS_IGNORE in patterns else ExpertsPrecision.QUANTIZED)
+    def from_additional_config(cls, additional_config: Mapping | None) -> RolloutSettings:
+        """The settings the server gave the engine (``additional_config``), in a vLLM worker."""
+        values = (additional_config or {}).get(ENGINE_CONFIG_KEY) if isinstance(additional_config, Mapping) else None
+        if values is None:
+            raise QurlConfigError(
+                f"this vLLM engine carries no {ROLLOUT_NAME} settings (additional_config[{ENGINE_CONFIG_KEY!r}]): "
+                f"it was not started by the {ROLLOUT_NAME} server, which puts them there"
+            )
+        return cls(**{**values, "ignore": tuple(values.get("ignore", ()))})

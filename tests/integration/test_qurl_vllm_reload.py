@@ -210,14 +210,16 @@ def test_narrow_weight_codes_run_exactly_in_the_int8_engine(int8_engine, tiny_mo
     trainer = TrainerWeights(tiny_model_dir)
     prompts = prompt_ids(tiny_model_dir)
     narrow = RolloutSettings(format="int8", weight_bits=bits)
-    (stats,) = sync_weights(int8_engine, trainer.named_tensors(), weight_bits=bits)
+    int8_engine.collective_rpc("probe_use_settings", args=(narrow.additional_config(),))
+    (stats,) = sync_weights(int8_engine, trainer.named_tensors())
     seqs, got = engine_logprobs(int8_engine, prompts)
     vs_ref = summary(abs_diffs(got, _reference(tiny_model_dir, trainer.master, narrow, seqs)))
     vs_w8a8 = summary(abs_diffs(got, _reference(tiny_model_dir, trainer.master, INT8, seqs)))
     assert stats["weight_bits"] == bits and stats["quantized"] == 14, stats
     assert vs_ref["median"] <= 1e-5 and vs_ref["p75"] <= 1e-4 and vs_ref["max"] <= 0.1, (vs_ref, vs_w8a8)
     assert vs_w8a8["median"] >= 5e-3, (vs_ref, vs_w8a8)  # 4-bit codes are a different model
-    (stats,) = sync_weights(int8_engine, trainer.named_tensors())  # back to 8 bits for what follows
+    int8_engine.collective_rpc("probe_use_settings", args=(INT8.additional_config(),))  # back to 8 bits
+    (stats,) = sync_weights(int8_engine, trainer.named_tensors())
     assert stats["weight_bits"] == 8
 
 

@@ -21,9 +21,9 @@ from qurl_verl.rollout.cuda_kernel_env import (
     CUTLASS_INT8_KERNEL,
     DISABLED_KERNELS_ENV,
     USE_DEEP_GEMM_ENV,
-    fp8_kv_attention_backend,
     int8_kernel_env,
 )
+from qurl_verl.rollout.features.kv_cache_scales import fp8_kv_attention_backend
 from qurl_verl.settings import BUCKET_MB_KEY, QurlConfigError
 
 pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks

@@ -249,14 +249,14 @@ def vllm_attention_layer(name: str, kv_cache_dtype: str = "fp8_e4m3"):
 
 
 def test_streamed_scales_land_in_every_copy_vllm_keeps():
-    from qurl_verl.rollout.layerwise_reload import fp8_kv_cache_layers, load_kv_cache_scales
+    from qurl_verl.rollout.features.kv_cache_scales import fp8_cache_layers, load_scales
 
     model = torch.nn.ModuleList([vllm_attention_layer(f"model.layers.{i}.self_attn.attn") for i in range(2)]
                                 + [vllm_attention_layer("model.layers.2.self_attn.attn", "auto")])
-    layers = fp8_kv_cache_layers(model)
+    layers = fp8_cache_layers(model)
     assert sorted(layers) == [0, 1]  # the bf16 layer is not an FP8 one
     scales = {(i, p): 0.01 * (i + 1) * (1 + "qkv".index(p)) for i in (0, 1) for p in "qkv"}
-    summary = load_kv_cache_scales(layers, scales)
+    summary = load_scales(layers, scales)
     for i, layer in layers.items():
         for p in "qkv":
             assert float(getattr(layer, f"_{p}_scale")) == pytest.approx(scales[(i, p)], rel=1e-7)
@@ -268,19 +268,20 @@ def test_streamed_scales_land_in_every_copy_vllm_keeps():
 
 
 def test_no_streamed_scales_means_vllms_default_and_a_partial_stream_is_an_error():
-    from qurl_verl.rollout.layerwise_reload import WeightReloadError, fp8_kv_cache_layers, load_kv_cache_scales
+    from qurl_verl.rollout.features.kv_cache_scales import fp8_cache_layers, load_scales
+    from qurl_verl.rollout.layerwise_reload import WeightReloadError
 
-    layers = fp8_kv_cache_layers(torch.nn.ModuleList([vllm_attention_layer(f"model.layers.{i}.self_attn.attn")
+    layers = fp8_cache_layers(torch.nn.ModuleList([vllm_attention_layer(f"model.layers.{i}.self_attn.attn")
                                                       for i in range(2)]))
-    load_kv_cache_scales(layers, {(i, p): 0.5 for i in (0, 1) for p in "qkv"})
-    assert load_kv_cache_scales(layers, {})["kv_scale_k_max"] == 1.0  # the first sync: vLLM's uncalibrated 1.0
+    load_scales(layers, {(i, p): 0.5 for i in (0, 1) for p in "qkv"})
+    assert load_scales(layers, {})["kv_scale_k_max"] == 1.0  # the first sync: vLLM's uncalibrated 1.0
     assert all(layer._k_scale_float == 1.0 and float(layer._v_scale) == 1.0 for layer in layers.values())
     one_layer = {(0, p): 0.5 for p in "qkv"}
     with pytest.raises(WeightReloadError, match=r"missing for layer.part \['1.k', '1.q', '1.v'\]"):
-        load_kv_cache_scales(layers, one_layer)
+        load_scales(layers, one_layer)
     with pytest.raises(WeightReloadError, match="not finite and > 0"):
-        load_kv_cache_scales(layers, {**{(i, p): 0.5 for i in (0, 1) for p in "qkv"}, (1, "v"): 0.0})
+        load_scales(layers, {**{(i, p): 0.5 for i in (0, 1) for p in "qkv"}, (1, "v"): 0.0})
     with pytest.raises(WeightReloadError, match="without an FP8 cache"):
-        load_kv_cache_scales(layers, {**{(i, p): 0.5 for i in (0, 1) for p in "qkv"}, (7, "k"): 0.5})
+        load_scales(layers, {**{(i, p): 0.5 for i in (0, 1) for p in "qkv"}, (7, "k"): 0.5})
     with pytest.raises(WeightReloadError, match="KV cache is not FP8"):
-        load_kv_cache_scales({}, one_layer)
+        load_scales({}, one_layer)

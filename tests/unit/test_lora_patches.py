@@ -5,7 +5,7 @@
 * ``verl_lora_weights_mapper``: verl 0.9.1 asks vLLM >= 0.25's ``WeightsMapper`` for
   ``get_unstacked_mapper``, which 0.32 calls ``get_rename_mapper``.
 
-And ``vllm_versions.lora_base_layer_renamer``, the one LoRA difference between the two tested vLLMs, with
+And ``lora_adapters.base_layer_renamer``, the one LoRA difference between the two tested vLLMs, with
 each version's answer forced. Runs on both stacks.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from vllm.model_executor.models.utils import WeightsMapper  # noqa: E402
 from qurl_verl.patches.contract import is_wrapped  # noqa: E402
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_lora_device  # noqa: E402
 from qurl_verl.patches.vllm_worker import verl_lora_weights_mapper  # noqa: E402
-from qurl_verl.rollout import vllm_versions  # noqa: E402
+from qurl_verl.rollout.features import lora_adapters  # noqa: E402
 
 pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
 
@@ -85,14 +85,14 @@ class WrappedQwenAttention(torch.nn.Module):
 
 def test_base_layer_names_on_each_version(monkeypatch):
     model = WrappedQwenAttention()
-    installed = vllm_versions.lora_loads_through_wrapper()
+    installed = lora_adapters.loads_through_wrapper()
     assert installed == ("load_weights" in BaseLayerWithLoRA.__dict__)
-    monkeypatch.setattr(vllm_versions, "lora_loads_through_wrapper", lambda: False)  # 0.24
-    rename = vllm_versions.lora_base_layer_renamer(model)
+    monkeypatch.setattr(lora_adapters, "loads_through_wrapper", lambda: False)  # 0.24
+    rename = lora_adapters.base_layer_renamer(model)
     assert rename("q_proj.weight") == "q_proj.base_layer.weight"  # a shard of the wrapped fused layer
     assert rename("v_proj.weight_scale") == "v_proj.base_layer.weight_scale"
     assert rename("o_proj.weight") == "o_proj.weight"  # not wrapped
-    monkeypatch.setattr(vllm_versions, "lora_loads_through_wrapper", lambda: True)  # 0.32
-    assert vllm_versions.lora_base_layer_renamer(model)("q_proj.weight") == "q_proj.weight"
-    monkeypatch.setattr(vllm_versions, "lora_loads_through_wrapper", lambda: False)
-    assert vllm_versions.lora_base_layer_renamer(torch.nn.Linear(2, 2))("weight") == "weight"  # no LoRA
+    monkeypatch.setattr(lora_adapters, "loads_through_wrapper", lambda: True)  # 0.32
+    assert lora_adapters.base_layer_renamer(model)("q_proj.weight") == "q_proj.weight"
+    monkeypatch.setattr(lora_adapters, "loads_through_wrapper", lambda: False)
+    assert lora_adapters.base_layer_renamer(torch.nn.Linear(2, 2))("weight") == "weight"  # no LoRA

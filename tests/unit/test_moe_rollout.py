@@ -50,8 +50,8 @@ def test_experts_default_to_full_precision_and_routers_always_do():
 @pytest.mark.parametrize("ignore", [(), ("re:.*layers\\.0\\..*",)])
 def test_the_engine_config_gives_the_settings_back(experts, ignore):
     settings = RolloutSettings(format="int8", experts=experts, ignore=ignore)
-    back = RolloutSettings.from_quantization_config(settings.quantization_config())
-    assert back == settings
+    back = RolloutSettings.from_additional_config(settings.additional_config())
+    assert back == settings and back.quantization_config() == settings.quantization_config()
 
 
 def test_bad_experts_values_are_refused():

@@ -110,7 +110,7 @@ class _Remote:
         return future
 
 
-async def test_adapter_sync_asks_for_code_tracking_and_publishes_the_workers_stats(monkeypatch):
+async def test_adapter_sync_sends_verls_keywords_only_and_publishes_the_workers_stats(monkeypatch):
     pytest.importorskip("vllm", reason="needs vLLM")
     from verl.workers.rollout.vllm_rollout import vllm_rollout
 
@@ -142,7 +142,8 @@ async def test_adapter_sync_asks_for_code_tracking_and_publishes_the_workers_sta
         await adapter.update_weights(iter([("model.norm.weight", torch.ones(4))]), global_steps=7,
                                      peft_config=None, base_sync_done=True)
         (_, rpc_kwargs), = adapter.server_handle.collective_rpc.calls
-        assert rpc_kwargs["kwargs"]["code_change_row_stride"] == 4 and rpc_kwargs["kwargs"]["use_shm"] is True
+        # verl's own keywords only: the settings travel once, with the engine (additional_config)
+        assert rpc_kwargs["kwargs"] == {"peft_config": None, "base_sync_done": True, "use_shm": True}
         assert sent == ["model.norm.weight"]
         assert adapter.server_handle.set_global_steps.calls == [((7,), {})]
         published = step_metrics.current()

@@ -78,15 +78,24 @@ def test_ignored_layers_join_the_always_ignored_lm_head():
     assert s.quantization_config()["ignore"] == list(s.ignore_patterns)
 
 
+def through_the_engine(s: RolloutSettings, existing: dict | None = None) -> RolloutSettings:
+    """What a worker reads: the server's ``additional_config``, through the JSON of verl's CLI arguments."""
+    import json
+
+    return RolloutSettings.from_additional_config(json.loads(json.dumps(s.additional_config(existing))))
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8_block", "bf16"])
-def test_worker_recovers_the_settings_from_the_engine_config(fmt):
-    s = RolloutSettings(format=fmt, ignore=("model.layers.0.mlp.down_proj",) if fmt != "bf16" else ())
-    assert RolloutSettings.from_quantization_config(s.quantization_config()) == s
+def test_worker_gets_the_settings_with_the_engine(fmt):
+    s = RolloutSettings(format=fmt, ignore=("model.layers.0.mlp.down_proj",) if fmt != "bf16" else (),
+                        code_change_row_stride=3, code_change_max_mb=0.5, kv_cache="fp8")
+    assert through_the_engine(s) == s
+    assert s.additional_config({"other_plugin": 1})["other_plugin"] == 1  # a user's own entries are kept
 
 
-def test_worker_rejects_a_foreign_quantization_config():
-    with pytest.raises(ValueError, match="not a qurl_vllm quantization_config"):
-        RolloutSettings.from_quantization_config({"quant_method": "gptq", "config_groups": {"group_0": {"weights": {"type": "int", "strategy": "group"}}}})
+def test_an_engine_without_qurl_settings_is_refused_by_name():
+    with pytest.raises(QurlConfigError, match=r"carries no qurl_vllm settings \(additional_config\['qurl'\]\)"):
+        RolloutSettings.from_additional_config({})
 
 
 def test_unknown_format_names_the_key_and_the_choices():
@@ -174,7 +183,7 @@ def test_weight_bits_select_the_integer_code_width(bits):
     assert (s.weight_bits, s.quant_format) == (bits, f"int{bits}")
     # the engine runs the same INT8 W8A8 kernel for every width: its config does not change
     assert s.quantization_config() == RolloutSettings(format="int8").quantization_config()
-    assert RolloutSettings.from_quantization_config(s.quantization_config(), weight_bits=bits) == s
+    assert through_the_engine(s) == s
 
 
 @pytest.mark.parametrize("node, match", [

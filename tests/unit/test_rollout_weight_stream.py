@@ -223,7 +223,7 @@ def test_tensors_loaded_as_is_count_as_a_full_precision_stream_would(state):
     """A LoRA adapter sync (``StreamStats.count_loaded_as_is``: vLLM's add_lora takes the tensors as they
     are) reports what a bf16 stream passing the same tensors through reports: tensors, bytes, elements,
     checksum; nothing quantized."""
-    from qurl_verl.rollout.weight_stream import StreamStats
+    from qurl_verl.rollout.sync_stats import StreamStats
 
     adapters = [(f"base_model.model.{n.removesuffix('.weight')}.lora_A.weight", t[:8].clone())
                 for n, t in state.items() if n.endswith("q_proj.weight")]

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from qurl_verl.rollout.sync_stats import SAME_ON_EVERY_RANK, SUMMED_OVER_RANKS, SyncStats, combine_ranks
-from qurl_verl.rollout.weight_stream import StreamStats
+from qurl_verl.rollout import features
+from qurl_verl.rollout.sync_stats import SAME, SLOWEST, SUMMED, StreamStats, SyncStats, all_rules, combine_ranks
 
 pytestmark = pytest.mark.both_stacks  # reaches vLLM's own code, which differs between the stacks
 
@@ -22,9 +22,20 @@ PREVIOUS_KEYS = [
 ]
 
 
+def build_stats(**fields) -> SyncStats:
+    """A ``SyncStats`` as the worker reports it (every registered feature's stats), the named fields set where
+    each lives: the sync's own, or a feature's."""
+    stats = SyncStats(**{k: v for k, v in fields.items() if k in SyncStats.__dataclass_fields__})
+    for feature in features.registered():
+        if feature.stats is not None:
+            own = {k: v for k, v in fields.items() if k in feature.stats.__dataclass_fields__}
+            stats.features[feature.name] = feature.stats(**own)
+    return stats
+
+
 @pytest.fixture(scope="module")
 def sync_stats():
-    return SyncStats
+    return build_stats
 
 
 def test_the_flat_report_keeps_the_previous_keys(sync_stats):
@@ -58,20 +69,24 @@ def test_the_flat_report_reads_the_stream_it_holds(sync_stats):
 
 
 def test_every_reported_key_has_a_rule_for_combining_ranks():
-    keys = set(SyncStats(sync=1, format="int8").as_dict())
+    keys = set(build_stats(sync=1, format="int8").as_dict())
+    rules = all_rules(features.stats_types())
+    assert keys <= set(rules), keys - set(rules)
     timed = {k for k in keys if k.endswith("_s")}
-    assert keys == timed | set(SUMMED_OVER_RANKS) | set(SAME_ON_EVERY_RANK)
-    assert not timed & set(SUMMED_OVER_RANKS) and not timed & set(SAME_ON_EVERY_RANK)
+    assert {k for k in keys if rules[k]["ranks"] == SLOWEST} == timed  # seconds, and only seconds, take the slowest
+    assert {k for k in keys if rules[k]["ranks"] == SUMMED} == {"rss_mb", "tracker_resident_bytes"}
+    assert all(rules[k]["ranks"] == SAME for k in keys - timed - {"rss_mb", "tracker_resident_bytes"})
 
 
 def rank(load_s: float, rss_mb: float, quantized: int = 14, **kw) -> dict:
-    return {**SyncStats(sync=3, format="int8", load_s=load_s, total_s=load_s + 1, rss_mb=rss_mb,
-                        tracker_resident_bytes=100, **kw).as_dict(), "quantized": quantized}
+    return {**build_stats(sync=3, format="int8", load_s=load_s, total_s=load_s + 1, rss_mb=rss_mb,
+                          tracker_resident_bytes=100, **kw).as_dict(), "quantized": quantized}
 
 
 def test_an_engine_reports_its_slowest_rank_and_the_memory_of_all(caplog):
     with caplog.at_level(logging.WARNING, logger="qurl_verl"):
-        both = combine_ranks([rank(0.5, 300.0, changed_code_frac=0.25), None, rank(2.0, 200.0, changed_code_frac=0.25)])
+        both = combine_ranks([rank(0.5, 300.0, changed_code_frac=0.25), None, rank(2.0, 200.0, changed_code_frac=0.25)],
+                             features.stats_types())
     assert both["load_s"] == 2.0 and both["total_s"] == 3.0  # the sync ends with its slowest rank
     assert both["rss_mb"] == 500.0 and both["tracker_resident_bytes"] == 200  # host memory of every rank
     assert both["changed_code_frac"] == 0.25 and both["quantized"] == 14 and both["ranks"] == 2
@@ -81,7 +96,7 @@ def test_an_engine_reports_its_slowest_rank_and_the_memory_of_all(caplog):
 
 def test_ranks_that_disagree_on_the_stream_are_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="qurl_verl"):
-        combine_ranks([rank(0.5, 1.0, quantized=14), rank(0.5, 1.0, quantized=13)])
+        combine_ranks([rank(0.5, 1.0, quantized=14), rank(0.5, 1.0, quantized=13)], features.stats_types())
     assert "ranks disagree on quantized" in caplog.text
 
 
@@ -100,9 +115,9 @@ def test_a_step_that_synced_the_lora_base_then_the_adapters_reports_both():
     base_stream.transform(base_tensors)
     adapters = StreamStats()
     adapters.count_loaded_as_is(adapter_tensors)
-    base = SyncStats(sync=1, format="int8", stream=base_stream.stats, total_s=2.0, load_s=1.0).as_dict()
-    then = SyncStats(sync=2, format="int8", stream=adapters, total_s=0.5, load_s=0.5, base_frozen=1).as_dict()
-    step = combine_syncs(base, then)
+    base = build_stats(sync=1, format="int8", stream=base_stream.stats, total_s=2.0, load_s=1.0).as_dict()
+    then = build_stats(sync=2, format="int8", stream=adapters, total_s=0.5, load_s=0.5, base_frozen=1).as_dict()
+    step = combine_syncs(base, then, features.stats_types())
     assert step["total_s"] == 2.5 and step["load_s"] == 1.5 and step["tensors_in"] == 3 and step["quantized"] == 1
     assert step["bytes_in"] == base["bytes_in"] + then["bytes_in"] and step["base_frozen"] == 0
     assert step["quantized_frac"] == base["quantized_frac"] and step["sync"] == 2
