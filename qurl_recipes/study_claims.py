@@ -1,8 +1,7 @@
-"""The GRPO study's claim checks: each paper claim against the across-seed summaries, with a verdict.
-"""
+"""The GRPO study's claim checks: each paper claim against the across-seed summaries, with a verdict."""
 from __future__ import annotations
 
-from qurl_recipes.study_statistics import FP8_KV_PAIRS, _fmt, beyond_noise, difference
+from qurl_recipes.study_statistics import FP8_KV_PAIRS, beyond_noise, difference, fmt_difference
 
 FINAL_ACCURACY = "train_acc_full_last"
 
@@ -18,12 +17,12 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
         d, se = difference(s["naive"], s["bf16"], FINAL_ACCURACY)
         dg, seg = difference(s["naive"], s["bf16"], "reward_gain")
         add("naive quantized rollout degrades",
-            f"final accuracy naive − BF16 {_fmt(d, se)}; train-reward gain naive − BF16 {_fmt(dg, seg)}",
+            f"final accuracy naive − BF16 {fmt_difference(d, se)}; train-reward gain naive − BF16 {fmt_difference(dg, seg)}",
             "reproduced" if d < 0 and beyond_noise(d, se) else "not reproduced")
     if "tis" in s:
         t = s["tis"]
         add("TIS drifts (KL(behav‖prox) grows over the run)",
-            f"KL second − first half {_fmt(t['kl_drift'], t['kl_drift_se'], '.2e')}",
+            f"KL second − first half {fmt_difference(t['kl_drift'], t['kl_drift_se'], '.2e')}",
             "reproduced" if t["kl_drift"] > 0 and beyond_noise(t["kl_drift"], t["kl_drift_se"]) else "not reproduced")
     if {"tis", "acr_no_uaq"} <= s.keys():
         d, se = difference(s["acr_no_uaq"], s["tis"], FINAL_ACCURACY)
@@ -39,14 +38,14 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
         else:
             verdict = "not reproduced"
         add("ACR stays stable where TIS drifts",
-            f"final accuracy ACR − TIS {_fmt(d, se)}; KL drift ACR − TIS {_fmt(dk, sek, '.2e')}; "
+            f"final accuracy ACR − TIS {fmt_difference(d, se)}; KL drift ACR − TIS {fmt_difference(dk, sek, '.2e')}; "
             f"steps with w > C (TIS) {share:.2f}", verdict)
     if {"acr_uaq", "acr_no_uaq"} <= s.keys():
         d, se = difference(s["acr_uaq"], s["acr_no_uaq"], "changed_code_share")
         ratio = s["acr_uaq"]["changed_code_share"] / s["acr_no_uaq"]["changed_code_share"]
         ratio_qkv = s["acr_uaq"]["changed_code_share_qkv"] / s["acr_no_uaq"]["changed_code_share_qkv"]
         add("UAQ makes more weight updates visible",
-            f"changed codes per step ×{ratio:.2f} ({_fmt(d, se, '.2e')}), q/k/v alone ×{ratio_qkv:.2f}",
+            f"changed codes per step ×{ratio:.2f} ({fmt_difference(d, se, '.2e')}), q/k/v alone ×{ratio_qkv:.2f}",
             "reproduced" if d > 0 and beyond_noise(d, se) else "not reproduced")
     if {"acr_uaq", "acr_no_uaq", "bf16"} <= s.keys():
         gap, gap_se = difference(s["acr_no_uaq"], s["bf16"], FINAL_ACCURACY)
@@ -58,7 +57,7 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
         else:
             verdict = "not reproduced"
         add("UAQ closes the gap to BF16",
-            f"final accuracy − BF16: ACR {_fmt(gap, gap_se)}, ACR + UAQ {_fmt(gap_uaq, gap_uaq_se)}", verdict)
+            f"final accuracy − BF16: ACR {fmt_difference(gap, gap_se)}, ACR + UAQ {fmt_difference(gap_uaq, gap_uaq_se)}", verdict)
     arms = {"acr_per_group_lr": "UAQ ≈ per-group learning rate (q/k/v lr × s, norm lr / s)",
             "acr_per_group_lr_uaq_clip": "UAQ ≈ per-group learning rate with the gradient clipped as UAQ clips it"}
     for arm, claim in arms.items():
@@ -69,7 +68,7 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
             agree = [k for k in keys if k not in differ]
             verdict = ("agree within seed noise" if not differ else f"differ beyond seed noise in {', '.join(differ)}"
                        + (f"; agree in {', '.join(agree)}" if agree else ""))
-            add(claim, "; ".join(f"{k} per-group − UAQ {_fmt(*diffs[k], '.3g')}" for k in keys), verdict)
+            add(claim, "; ".join(f"{k} per-group − UAQ {fmt_difference(*diffs[k], '.3g')}" for k in keys), verdict)
     for arm, (base, claim) in FP8_KV_PAIRS.items():
         if {arm, base} <= s.keys():
             a, b = s[arm], s[base]
@@ -80,8 +79,8 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
             else:
                 verdict = ("held within seed noise (final accuracy); KL(behav‖prox) "
                            + ("rises beyond" if dk > 0 and beyond_noise(dk, sek) else "within") + " seed noise")
-            add(claim, f"final accuracy FP8 KV − without {_fmt(d, se)}; KL(behav‖prox) FP8 KV − without "
-                       f"{_fmt(dk, sek, '.2e')}; KL added by the cache alone {a['kl_fp8kv_mean']:.2e} ± "
+            add(claim, f"final accuracy FP8 KV − without {fmt_difference(d, se)}; KL(behav‖prox) FP8 KV − without "
+                       f"{fmt_difference(dk, sek, '.2e')}; KL added by the cache alone {a['kl_fp8kv_mean']:.2e} ± "
                        f"{a['kl_fp8kv_mean_se']:.2e}; tokens with w > C {a['w_frac_above_c_mean']:.2e} against "
                        f"{b['w_frac_above_c_mean']:.2e}", verdict)
     return checks

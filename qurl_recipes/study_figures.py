@@ -1,13 +1,12 @@
-"""The GRPO study's figures (matplotlib): per-step curves across seeds, the FP8 KV cache and long-horizon plots.
-"""
+"""The GRPO study's figures (matplotlib): per-step curves across seeds, the FP8 KV cache and long-horizon plots."""
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
 from qurl_recipes.repro_report import moving_average
-from qurl_recipes.study_long_horizon import LONG_BASE, LONG_WINDOW, _window_name
-from qurl_recipes.study_statistics import FP8_KV_PAIRS, SMOOTH, VARIANT_COLORS, VARIANT_LABELS, _train_rows
+from qurl_recipes.study_long_horizon import LONG_BASE, LONG_WINDOW, window_name
+from qurl_recipes.study_statistics import FP8_KV_PAIRS, SMOOTH, VARIANT_COLORS, VARIANT_LABELS, train_rows
 
 
 def _curve(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -120,7 +119,7 @@ def plot_fp8_kv(runs, summaries: dict[str, dict], out_dir: Path, bits: int, is_c
     ax = axes[1, 1]
     for v in arms:
         for part, style in (("k", "-"), ("v", ":")):
-            rows = [r for r in _train_rows(next(iter(runs[v].values()))[0])  # the first seed, measured scales
+            rows = [r for r in train_rows(next(iter(runs[v].values()))[0])  # the first seed, measured scales
                     if r["step"] > 0 and f"kv_{part}_scale_max" in r]
             for bound in ("min", "max"):
                 ax.plot([r["step"] for r in rows], [r[f"kv_{part}_scale_{bound}"] for r in rows],
@@ -158,7 +157,7 @@ def plot_long(runs, summaries: dict[str, dict], out_dir: Path, bits: int) -> lis
         if pts:
             ax.plot(*zip(*pts), ls="none", marker="s", ms=4, mec="k", mew=0.5, color=VARIANT_COLORS.get(v))
     if drawn:
-        ax.axvspan(*LONG_BASE, color="0.85", zorder=0, label=f"steps {_window_name(LONG_BASE)}")
+        ax.axvspan(*LONG_BASE, color="0.85", zorder=0, label=f"steps {window_name(LONG_BASE)}")
         ax.set_yscale("log")
         ax.set_xlabel("GRPO step")
         ax.set_ylabel("KL(behav ‖ prox), k3 estimator")
@@ -190,7 +189,7 @@ def plot_long(runs, summaries: dict[str, dict], out_dir: Path, bits: int) -> lis
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Long runs: reward and training accuracy (mean over seeds, error bars: ± SE across seeds; "
-                 f"grey: steps {_window_name(LONG_BASE)})", fontsize=9)
+                 f"grey: steps {window_name(LONG_BASE)})", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     path = out_dir / "long_horizon_reward.png"
     fig.savefig(path)

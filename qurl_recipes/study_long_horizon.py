@@ -1,11 +1,10 @@
-"""The long-horizon part of the GRPO study (runs of >= 600 steps, in 100-step windows): statistics and checks.
-"""
+"""The long-horizon part of the GRPO study (runs of >= 600 steps, in 100-step windows): statistics and checks."""
 from __future__ import annotations
 
 import math
 import statistics
 
-from qurl_recipes.study_statistics import SIGNIFICANCE, _fmt, _train_rows, beyond_noise, difference, mean_se
+from qurl_recipes.study_statistics import SIGNIFICANCE, beyond_noise, difference, fmt_difference, mean_se, train_rows
 
 LONG_WINDOW = 100  # steps per window of the long-horizon tables
 LONG_BASE = (400, 500)  # the window where TIS is still fine; the last window is compared with it
@@ -29,13 +28,13 @@ LONG_ACR = {"acr_no_uaq": "ACR stays stable where TIS drifts", "acr_uaq": "ACR +
 
 def span_mean(rows: list[dict], key: str, start: int, end: int) -> float:
     """Mean of ``key`` over the training steps start <= step < end (nan if none logged it)."""
-    values = [r[key] for r in _train_rows(rows) if start <= r["step"] < end and r.get(key) is not None]
+    values = [r[key] for r in train_rows(rows) if start <= r["step"] < end and r.get(key) is not None]
     return statistics.fmean(values) if values else float("nan")
 
 
 def long_seed_statistics(rows: list[dict], width: int = LONG_WINDOW) -> dict:
     """One seed's window means, its evaluations at multiples of ``width``, and the verdict windows."""
-    end = max(r["step"] for r in _train_rows(rows)) + 1  # the final row (step == steps) is evaluation only
+    end = max(r["step"] for r in train_rows(rows)) + 1  # the final row (step == steps) is evaluation only
     windows = [{"start": a, "end": min(a + width, end), **{k: span_mean(rows, k, a, min(a + width, end))
                                                             for k in LONG_WINDOW_KEYS}}
                for a in range(0, end, width)]
@@ -85,14 +84,14 @@ def long_variant_summary(per_seed: dict[int, dict], questions: dict[str, int] | 
     return out
 
 
-def _window_name(w) -> str:
+def window_name(w) -> str:
     return f"{w[0]}–{w[1]}"
 
 
 def long_horizon_checks(s: dict[str, dict]) -> list[dict]:
     """Fig. 3's two claims on the long runs, each with its measure, numbers and verdict (2-SE rule)."""
     checks = []
-    base = _window_name(LONG_BASE)
+    base = window_name(LONG_BASE)
     tis = s.get("tis")
     values: dict = {}
     if tis is None:
@@ -102,7 +101,7 @@ def long_horizon_checks(s: dict[str, dict]) -> list[dict]:
                    f"{LONG_WINDOW}-step window after step {LONG_BASE[1]})")
         measure = "n/a"
     else:
-        late = _window_name(tis["late_window"])
+        late = window_name(tis["late_window"])
         rise, rise_se = tis["kl_rise"], tis["kl_rise_se"]
         if tis["kl_base"] > 0:
             ratio = tis["kl_late"] / tis["kl_base"]
@@ -118,7 +117,7 @@ def long_horizon_checks(s: dict[str, dict]) -> list[dict]:
         else:
             verdict = "not reproduced"
         measure = (f"TIS KL(behav‖prox) steps {late} {tis['kl_late']:.2e} ± {tis['kl_late_se']:.2e}, steps {base} "
-                   f"{tis['kl_base']:.2e} ± {tis['kl_base_se']:.2e}; late − {base} {_fmt(rise, rise_se, '.2e')}; "
+                   f"{tis['kl_base']:.2e} ± {tis['kl_base_se']:.2e}; late − {base} {fmt_difference(rise, rise_se, '.2e')}; "
                    f"ratio ×{ratio:.2f} (drift needs ×{DRIFT_FACTOR:g} and > {SIGNIFICANCE:g} SE)")
     checks.append({"claim": f"TIS drifts after ~{LONG_BASE[1]} steps", "measure": measure, "verdict": verdict,
                    "values": values})
@@ -145,7 +144,7 @@ def long_horizon_checks(s: dict[str, dict]) -> list[dict]:
             verdict = "reproduced" if kl_below and reward_held else "not reproduced"
             values = {"kl_late_minus_tis": dk, "kl_late_minus_tis_se": sek, "reward_change": dr,
                       "reward_change_se": ser, "base_window": list(LONG_BASE), "late_window": acr["late_window"]}
-            measure = (f"late-window KL {variant} − TIS {_fmt(dk, sek, '.2e')}; {variant} reward "
-                       f"{_window_name(acr['late_window'])} − {base} {_fmt(dr, ser)}")
+            measure = (f"late-window KL {variant} − TIS {fmt_difference(dk, sek, '.2e')}; {variant} reward "
+                       f"{window_name(acr['late_window'])} − {base} {fmt_difference(dr, ser)}")
         checks.append({"claim": claim, "measure": measure, "verdict": verdict, "values": values})
     return checks

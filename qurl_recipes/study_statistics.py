@@ -42,13 +42,13 @@ def window(n_steps: int) -> int:
     return max(1, n_steps // 10)
 
 
-def _train_rows(rows: list[dict]) -> list[dict]:
+def train_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "reward" in r]
 
 
 def seed_statistics(rows: list[dict], is_cap: float, max_grad_norm: float = 1.0) -> dict:
     """One seed's numbers from its per-step records (``metrics.jsonl``)."""
-    train = _train_rows(rows)
+    train = train_rows(rows)
     n = len(train)
     w = window(n)
     rewards = [r["reward"] for r in train]
@@ -153,7 +153,7 @@ def beyond_noise(diff: float, se: float) -> bool:
     return not math.isnan(se) and abs(diff) > SIGNIFICANCE * se
 
 
-def _fmt(diff: float, se: float, spec: str = ".3f") -> str:
+def fmt_difference(diff: float, se: float, spec: str = ".3f") -> str:
     return f"{diff:+{spec}} ± {se:{spec}}"
 
 

@@ -1,10 +1,9 @@
-"""The GRPO study's markdown: the results tables, the claim verdicts and the long-horizon section.
-"""
+"""The GRPO study's markdown: the results tables, the claim verdicts and the long-horizon section."""
 from __future__ import annotations
 
 import math
 
-from qurl_recipes.study_long_horizon import LONG_BASE, LONG_SECTION, LONG_WINDOW, _window_name
+from qurl_recipes.study_long_horizon import LONG_BASE, LONG_SECTION, LONG_WINDOW, window_name
 from qurl_recipes.study_statistics import FP8_KV_PAIRS, VARIANT_LABELS
 
 TABLE_COLUMNS = (  # key, header, format
@@ -97,7 +96,7 @@ def long_markdown(long: dict, bits: int) -> str:
              f"Weight bits {bits}, {st['steps']} steps, lr {st['lr']:g}, {st['prompts_per_step']} prompts × "
              f"{st['group_size']} samples, {st.get('mini_batches', 1)} updates per rollout, C = {st['is_cap']:g}. "
              f"CPU: {cpu.get('model', '?')} ({cpu.get('isa', '?')}). Windows of {LONG_WINDOW} steps; values: mean ± standard error across seeds. TIS drift compares the "
-             f"last window with steps {_window_name(LONG_BASE)}."]
+             f"last window with steps {window_name(LONG_BASE)}."]
 
     def label(v):
         return f"{VARIANT_LABELS.get(v, v).format(b=bits)} | {len(summaries[v]['seeds'])}"
@@ -109,7 +108,7 @@ def long_markdown(long: dict, bits: int) -> str:
                                                 "ACR's adaptive bound for the ACR variants)", ".2e"),
                              ("w_frac_above_c", "Share of tokens with w > C (where ACR widens the bound)", ".2e"),
                              ("entropy", "Entropy of the sampled policy (nats per response token)", ".3f")):
-        lines += ["", f"### {title}", "", "| variant | seeds | " + " | ".join(_window_name(w) for w in spans) + " |",
+        lines += ["", f"### {title}", "", "| variant | seeds | " + " | ".join(window_name(w) for w in spans) + " |",
                   "|---|---|" + "---:|" * len(spans)]
         for v, s in summaries.items():
             by_span = {(w["start"], w["end"]): w for w in s["windows"]}
