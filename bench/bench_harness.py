@@ -2,9 +2,10 @@
 
 A result is only comparable with another when both say on which CPU class, under what load and with
 which torch / vLLM / verl they were measured, so every script takes that record from here, under the
-same key names. The load average is always stored under ``loadavg`` (``loadavg_<when>`` where a script
-reads it more than once: ``_start``/``_end`` of the run, ``_before``/``_after`` of a block); results
-written before this module existed used other names, which ``loadavg_of`` still reads.
+same key names: a result's ``env`` is ``environment()``. The load average is always stored under
+``loadavg``: ``env["loadavg"]`` at the start of the run, ``loadavg_<when>`` for later readings
+(``loadavg_end`` of the run, ``loadavg_before``/``loadavg_after`` of a block). Results written before
+this module existed used other names, which ``loadavg_of`` and ``start_loadavg`` still read.
 
 Imported first by every script of ``bench/``: see the ``sys.path`` note below.
 """
@@ -33,12 +34,13 @@ RESULTS = REPO / "bench" / "results"
 
 # Older result files' names for the same readings, by the ``when`` of ``loadavg_<when>``.
 LEGACY_LOADAVG_KEYS = {
-    "": ("load_avg", "load_average"),
-    "start": ("load_avg_start", "load_start"),
-    "end": ("load_avg_end", "load_end"),
+    "end": ("load_avg_end",),
     "before": ("load_before", "load_average_before"),
     "after": ("load_after", "load_average_after"),
 }
+# Where older results kept the reading at the start of the run: (sub-record or None, key).
+LEGACY_START_LOADAVG = ((None, "loadavg_start"), (None, "load_avg_start"), ("machine", "loadavg_start"),
+                        ("cpu", "loadavg_start"), (None, "load_avg_1m"))
 
 
 def loadavg() -> tuple[float, float, float] | None:
@@ -49,14 +51,21 @@ def loadavg() -> tuple[float, float, float] | None:
         return None
 
 
-def loadavg_key(when: str = "") -> str:
-    return f"loadavg_{when}" if when else "loadavg"
-
-
-def loadavg_of(record: dict, when: str = "", default=None):
-    """A load reading of a result, new or old: ``loadavg_<when>`` or the name it had before."""
-    for key in (loadavg_key(when), *LEGACY_LOADAVG_KEYS.get(when, ())):
+def loadavg_of(record: dict, when: str, default=None):
+    """A later load reading of a result or block, new or old: ``loadavg_<when>`` or the name it had before."""
+    for key in (f"loadavg_{when}", *LEGACY_LOADAVG_KEYS.get(when, ())):
         if key in record:
+            return record[key]
+    return default
+
+
+def start_loadavg(report: dict, default=None):
+    """The load average at the start of a run: ``env["loadavg"]``, or where an older result kept it."""
+    if "loadavg" in report.get("env", {}):
+        return report["env"]["loadavg"]
+    for sub, key in LEGACY_START_LOADAVG:
+        record = report.get(sub, {}) if sub else report
+        if isinstance(record, dict) and key in record:
             return record[key]
     return default
 
@@ -69,15 +78,26 @@ def package_version(name: str) -> str | None:
         return None
 
 
+def results_class(flags: frozenset[str]) -> str:
+    """The CPU class of the results (``cpu_features.cpu_class``), as result files are named. An ``ONEDNN_MAX_CPU_ISA`` cap is named too:
+    ``<cap>_onednn_on_<native>`` when it caps oneDNN alone (torch's and sgl-kernel's kernels keep the native
+    ISA), ``<cap>_emulated_on_<native>`` when ``ATEN_CPU_CAPABILITY`` caps torch's kernels to the same ISA."""
+    native = cpu_class(flags)
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().lower()
+    if not cap or cap == "all":
+        return native
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return f"{cap}_emulated_on_{native}" if aten == cap else f"{cap}_onednn_on_{native}"
+
+
 def environment(cls: str | None = None) -> dict:
-    """The one environment record of every result. ``cls`` overrides the CPU class where a script names
-    an emulated one (``bench_rollout_throughput.results_class``)."""
+    """The one environment record of every result (``cls``: the CPU class, by default ``results_class``)."""
     import torch
 
     model, flags = cpu_model_and_flags()
     return {
         "cpu_model": model,
-        "cpu_class": cls or cpu_class(flags),
+        "cpu_class": cls or results_class(flags),
         "cores": os.cpu_count(),
         "loadavg": loadavg(),
         "python": platform.python_version(),

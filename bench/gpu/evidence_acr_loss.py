@@ -1,5 +1,4 @@
-"""Step ``acr_loss`` of gpu_evidence.py: forward+backward of the ACR loss vs plain PPO losses.
-"""
+"""Step ``acr_loss`` of gpu_evidence.py: forward+backward of the ACR loss vs plain PPO losses."""
 from __future__ import annotations
 
 import statistics

@@ -1,5 +1,4 @@
-"""Step ``numerics`` of gpu_evidence.py: quantizer codes on the device vs CPU, W8A8 products vs an exact reference.
-"""
+"""Step ``numerics`` of gpu_evidence.py: quantizer codes on the device vs CPU, W8A8 products vs an exact reference."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,4 @@
-"""Step ``sync_cost`` of gpu_evidence.py: one weight sync's quantize work and the code-change tracker.
-"""
+"""Step ``sync_cost`` of gpu_evidence.py: one weight sync's quantize work and the code-change tracker."""
 from __future__ import annotations
 
 import time

@@ -1,5 +1,4 @@
-"""Step ``w8a8_decode`` of gpu_evidence.py: BF16 vs INT8 vs FP8 GEMMs at decode batch sizes.
-"""
+"""Step ``w8a8_decode`` of gpu_evidence.py: BF16 vs INT8 vs FP8 GEMMs at decode batch sizes."""
 from __future__ import annotations
 
 import math
