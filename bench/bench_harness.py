@@ -2,8 +2,8 @@
 
 A result is only comparable with another when both say on which CPU class, under what load and with
 which torch / vLLM / verl they were measured, so every script takes that record from here, under the
-same key names: a result's ``env`` is ``environment()``. The load average is always stored under
-``loadavg``: ``env["loadavg"]`` at the start of the run, ``loadavg_<when>`` for later readings
+same key names: a result's ``environment`` is ``environment()``. The load average is always stored
+under ``loadavg``: ``environment["loadavg"]`` at the start of the run, ``loadavg_<when>`` for later readings
 (``loadavg_end`` of the run, ``loadavg_before``/``loadavg_after`` of a block). Results written before
 this module existed used other names, which ``loadavg_of`` and ``start_loadavg`` still read.
 
@@ -60,9 +60,9 @@ def loadavg_of(record: dict, when: str, default=None):
 
 
 def start_loadavg(report: dict, default=None):
-    """The load average at the start of a run: ``env["loadavg"]``, or where an older result kept it."""
-    if "loadavg" in report.get("env", {}):
-        return report["env"]["loadavg"]
+    """The load average at the start of a run: ``environment["loadavg"]``, or where an older result kept it."""
+    if "loadavg" in report.get("environment", {}):
+        return report["environment"]["loadavg"]
     for sub, key in LEGACY_START_LOADAVG:
         record = report.get(sub, {}) if sub else report
         if isinstance(record, dict) and key in record:

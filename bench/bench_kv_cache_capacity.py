@@ -271,7 +271,7 @@ def main() -> None:
     max_model_len = max(p + g for p, g in contexts) + POSITION_MARGIN
     report = {
         "args": {**vars(args), "out": os.path.relpath(args.out, REPO)},
-        "env": bench_harness.environment(cls),
+        "environment": bench_harness.environment(cls),
         "machine": {"cpu_model": cpu_model, "cpu_class": cls, "cores": os.cpu_count(), "vllm": vllm.__version__,
                     "torch": torch.__version__, "vllm_library": vllm_cpu_library(flags),
                     "isa_flags": sorted(f for f in flags if f.startswith(ISA_FLAG_PREFIXES)),

@@ -132,7 +132,7 @@ def main() -> None:
     saturates = vllm_cpu_int8_saturation.onednn_int8_saturates()
     report = {
         "args": {**vars(args), "out": os.path.relpath(args.out, REPO)},
-        "env": bench_harness.environment(),
+        "environment": bench_harness.environment(),
         "machine": {"cpu_model": cpu_model, "cores": os.cpu_count(), "vllm": vllm.__version__,
                     "torch": torch.__version__, "vnni": "avx512_vnni" in flags or "avx_vnni" in flags,
                     "amx": "amx_int8" in flags, "avx512": "avx512f" in flags, "avx512_bf16": "avx512_bf16" in flags,
