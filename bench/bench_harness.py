@@ -23,8 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The scripts are run by path (``python bench/<script>.py``), which puts only bench/ on sys.path. The
 # repository root goes first so that qurl_testkit and qurl_recipes (never installed) import, and so that
-# this checkout's qurl_verl is the one measured rather than another installed copy. The only place in
-# bench/ that edits sys.path.
+# this checkout's qurl_verl is the one measured rather than another installed copy. The only sys.path
+# edit of the CPU benchmarks (gpu/ adds its own folders: see the scripts there).
 if sys.path[:1] != [str(REPO)]:
     sys.path.insert(0, str(REPO))
 
