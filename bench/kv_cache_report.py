@@ -1,5 +1,4 @@
-"""The KV-cache benchmark's summary (capacity, medians, ratios, the attention kernel's share) and markdown.
-"""
+"""The KV-cache benchmark's summary (capacity, medians, ratios, the attention kernel's share) and markdown."""
 from __future__ import annotations
 
 import statistics

@@ -1,5 +1,4 @@
-"""The rollout throughput benchmark's summary: fidelity against BF16, medians and ratios, and its markdown.
-"""
+"""The rollout throughput benchmark's summary: fidelity against BF16, medians and ratios, and its markdown."""
 from __future__ import annotations
 
 import statistics

@@ -1,5 +1,4 @@
-"""Bytes one decode step reads per GPU, the memory-bound step time, and how many sequences fit in the KV cache.
-"""
+"""Bytes one decode step reads per GPU, the memory-bound step time, and how many sequences fit in the KV cache."""
 from __future__ import annotations
 
 import math

@@ -1,5 +1,4 @@
-"""The decode roofline's markdown, rendered from the report's JSON.
-"""
+"""The decode roofline's markdown, rendered from the report's JSON."""
 from __future__ import annotations
 
 from roofline_shapes import GB

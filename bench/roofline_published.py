@@ -1,5 +1,4 @@
-"""Published QuRL, verl and NeMo-RL rollout speed-ups against the roofline, with why they differ.
-"""
+"""Published QuRL, verl and NeMo-RL rollout speed-ups against the roofline, with why they differ."""
 from __future__ import annotations
 
 from roofline_bytes import capacity_bound, compare_setups, decode_step_bytes, kv_bytes_per_token, weight_bytes_read_per_step
