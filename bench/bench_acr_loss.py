@@ -12,13 +12,13 @@ baseline, i.e. the same work qurl_tis does. The target is qurl_acr <= 1.2x vanil
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from pathlib import Path
 
+import bench_harness
 import torch
 from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
 from verl.workers.config import ActorConfig
@@ -121,11 +121,9 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "load_avg_1m": os.getloadavg()[0],
+        "environment": bench_harness.environment(),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = bench_harness.write_json(Path(args.out), result, indent=2)
     for k, v in med.items():
         print(f"{k:>22}: wall {v * 1e3:7.1f} ms ({result['ratio_to_vanilla_tis_wall'][k]:.2f}x)   "
               f"cpu {med_cpu[k] * 1e3:7.1f} ms ({result['ratio_to_vanilla_tis_cpu'][k]:.2f}x vanilla_tis)")

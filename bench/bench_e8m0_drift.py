@@ -20,18 +20,13 @@ Writes ``bench/results/e8m0_drift.{json,md}``.
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
-import sys
-from pathlib import Path
 
+import bench_harness
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from qurl_verl.quant.quantizer import quantize  # noqa: E402
+from qurl_verl.quant.quantizer import quantize
 
 SHAPES = {  # Qwen2.5-0.5B, one decoder layer: [out, in]
     "q_proj": (896, 896), "k_proj": (128, 896), "o_proj": (896, 896),
@@ -87,10 +82,10 @@ def main() -> int:
         "vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
         "cpu_model": next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), None)
         if os.path.exists("/proc/cpuinfo") else None,
-        "step_relative_to_std": STEP, "layers": rows,
+        "step_relative_to_std": STEP, "layers": rows, "environment": bench_harness.environment(),
     }
-    out = REPO / "bench" / "results"
-    (out / "e8m0_drift.json").write_text(json.dumps(record, indent=2) + "\n")
+    out = bench_harness.RESULTS
+    bench_harness.write_json(out / "e8m0_drift.json", record, indent=2)
     lines = ["# E8M0 re-rounding of the streamed block-FP8 codes (what `VLLM_USE_DEEP_GEMM=0` avoids)", "",
              f"vLLM {record['vllm']}'s `requant_weight_ue8m0_inplace` on `qurl_verl.quant` block-FP8 codes of synthetic "
              f"Student-t weights (std 0.02) at Qwen2.5-0.5B's shapes; CPU: {record['cpu_model']}; torch {record['torch']}.", "",

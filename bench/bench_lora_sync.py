@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import bench_harness
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # qurl_testkit
-sys.path.insert(0, str(REPO / "bench"))
-
-from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags  # noqa: E402
+from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_SYNCS = 3
@@ -127,9 +122,10 @@ def markdown(report: dict) -> str:
     cpu = report["cpu"]
     lines = [f"# LoRA over the 8-bit base: sync time and mismatch ({cpu['model']}, {cpu['class']}, {cpu['cores']} cores, "
              f"vLLM {report['vllm']})", ""]
-    if "load_avg_start" in report:
-        lines += [f"Load average (1, 5, 15 min) at start {tuple(round(x, 1) for x in report['load_avg_start'])}, at end "
-                  f"{tuple(round(x, 1) for x in report['load_avg_end'])}.", ""]
+    start, end = bench_harness.start_loadavg(report), bench_harness.loadavg_of(report, "end")
+    if start is not None:
+        lines += [f"Load average (1, 5, 15 min) at start {tuple(round(x, 1) for x in start)}, at end "
+                  f"{tuple(round(x, 1) for x in end)}.", ""]
     if "sync" in report:
         s = report["sync"]
         lines += [f"## Sync time, {s['shape']} shape ({s['params_b']:.2f}B parameters), INT8 bf16 engine, rank-{s['rank']} "
@@ -171,9 +167,10 @@ def main() -> None:
 
     model_name, flags = cpu_model_and_flags()
     cls = cpu_class(flags)
-    report = {"cpu": {"model": model_name, "class": cls, "cores": os.cpu_count(), "machine": platform.machine()},
-              "vllm": vllm.__version__, "load_avg_start": os.getloadavg()}
-    out = args.out or REPO / "bench" / "results" / f"lora_sync_{cls}"
+    report = {"environment": bench_harness.environment(cls),
+              "cpu": {"model": model_name, "class": cls, "cores": os.cpu_count(), "machine": platform.machine()},
+              "vllm": vllm.__version__}
+    out = args.out or bench_harness.RESULTS / f"lora_sync_{cls}"
     if args.kl or both:  # main_ppo first: it starts its own Ray and engines
         report["kl"] = kl_part()
     if args.sync or both:
@@ -186,9 +183,8 @@ def main() -> None:
 
         platform_manager._current_platform = PlatformCPU()  # the weight sender asks the platform to synchronize
         report["sync"] = sync_part(args.shape, args.rank)
-    report["load_avg_end"] = os.getloadavg()
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report))
+    report["loadavg_end"] = bench_harness.loadavg()
+    bench_harness.write_result(out, report, markdown(report))
     print(markdown(report))
 
 

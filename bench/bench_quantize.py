@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import bench_harness
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qurl_verl.platform.cpu_features import cpu_model_and_flags  # noqa: E402
-from qurl_verl.quant import UpdateStats, UpdateVisibilityTracker, apply_uaq, quantize, update_visibility  # noqa: E402
+from qurl_verl.platform.cpu_features import cpu_model_and_flags
+from qurl_verl.quant import UpdateStats, UpdateVisibilityTracker, apply_uaq, quantize, update_visibility
 
 # Qwen2-0.5B: hidden 896, intermediate 4864, 14 heads / 2 KV heads (head_dim 64), 24 layers.
 HIDDEN, INTERMEDIATE, KV = 896, 4864, 2 * 64
@@ -68,11 +66,8 @@ def timed(fn, repeats: int) -> list[float]:
     return samples
 
 
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+def rounded(load) -> list[float] | None:
+    return [round(x, 2) for x in load] if load else None
 
 
 def uaq_one_step(scale: float = 1.5) -> list[dict]:
@@ -121,7 +116,7 @@ def time_quantization(layers: int, repeats: int, threads: int) -> dict:
     """Quantize every linear weight of the model once per case; also one tracker step per tensor."""
     torch.set_num_threads(threads)
     quantize(torch.randn(256, 256), "int8", "channel")  # warm-up
-    load_before = load_average()
+    load_before = bench_harness.loadavg()
     best = [0.0] * len(CASES)  # sum over tensors of the fastest run
     typical = [0.0] * len(CASES)  # sum over tensors of the median run
     vis_best = vis_typical = 0.0
@@ -164,8 +159,8 @@ def time_quantization(layers: int, repeats: int, threads: int) -> dict:
     overall = pooled.as_dict()
     return {
         "threads": threads,
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
+        "loadavg_before": load_before,
+        "loadavg_after": bench_harness.loadavg(),
         "quantized_params": numel,
         "quantize": rows,
         "update_visibility": {
@@ -181,7 +176,7 @@ def time_quantization(layers: int, repeats: int, threads: int) -> dict:
 
 def print_timing(run: dict) -> None:
     print(f"\n{run['quantized_params'] / 1e6:.0f} M quantized parameters, {run['threads']} thread(s), "
-          f"load {run['load_average_before']} -> {run['load_average_after']}")
+          f"load {rounded(run['loadavg_before'])} -> {rounded(run['loadavg_after'])}")
     print(f"{'fmt':<5} {'granularity':<12} {'input':<9} {'best s':>7} {'median s':>9} {'Melem/s':>8}  note")
     for r in run["quantize"]:
         print(f"{r['fmt']:<5} {r['granularity']:<12} {r['input_dtype']:<9} {r['seconds_best']:>7.3f} "
@@ -198,7 +193,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="timings per tensor; min and median are reported")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--skip-uaq", action="store_true", help="skip the UAQ one-step measurement")
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "quantize.json"))
+    parser.add_argument("--out", default=str(bench_harness.RESULTS / "quantize.json"))
     args = parser.parse_args(argv)
     print(f"{cpu_model_and_flags()[0]}, {os.cpu_count()} CPUs, torch {torch.__version__}")
     runs = []
@@ -211,6 +206,7 @@ def main(argv=None) -> dict:
         "timing": (f"per tensor {args.repeats} runs; seconds_best sums each tensor's fastest run, seconds_median its "
                    "median run; weight generation not timed. The machine is shared: with other jobs on the cores, "
                    "2 torch threads wait on each other at every parallel region, so 1 thread can be faster."),
+        "environment": bench_harness.environment(),
         "machine": {"cpu": cpu_model_and_flags()[0], "cpu_count": os.cpu_count(), "torch": torch.__version__,
                     "python": platform.python_version()},
         "runs": runs,
@@ -227,9 +223,7 @@ def main(argv=None) -> dict:
         for r in result["uaq_one_step"]["rows"]:
             print(f"  {r['optimizer']:<4} lr={r['lr']:<7g} {r['fmt']:<4} {r['changed_fraction_base']:.4f} -> "
                   f"{r['changed_fraction_uaq']:.4f} ({r['changed_ratio']}); x{r['update_to_error_gain']}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = bench_harness.write_json(Path(args.out), result, indent=2)
     print(f"wrote {out}")
     return result
 

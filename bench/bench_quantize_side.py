@@ -23,15 +23,12 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import bench_harness
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # qurl_testkit
 
 MODELS = {
     "tiny_h128_l2": dict(),
@@ -106,11 +103,12 @@ def bench_model(name: str, model_dir: Path, reps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "quantize_side.json"))
+    parser.add_argument("--out", default=str(bench_harness.RESULTS / "quantize_side.json"))
     args = parser.parse_args()
     from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
 
     report = {
+        "environment": bench_harness.environment(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(),
                     "onednn_int8_saturates": vllm_cpu_int8_saturation.onednn_int8_saturates()},
@@ -121,7 +119,7 @@ def main() -> None:
             model_dir = build(Path(tmp) / name, **spec)
             report["models"][name] = bench_model(name, model_dir, args.reps)
             print(name, json.dumps({k: v for k, v in report["models"][name].items() if k.startswith("median")}))
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    bench_harness.write_json(Path(args.out), report)
     print("written", args.out)
 
 

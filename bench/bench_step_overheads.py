@@ -26,19 +26,16 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import bench_harness
 import torch
+from bench_models import SPECS, build_model, param_count
+from rollout_engines import chat_prompts, start_engine
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # qurl_testkit
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_models import SPECS, build_model, param_count  # noqa: E402
-from bench_rollout_throughput import chat_prompts, start_engine  # noqa: E402
+REPO = bench_harness.REPO
 
 # prompts x n samples x response tokens; fb_seqs: micro-batch of the forward/backward timing
 SETUPS = {
@@ -206,7 +203,7 @@ def run_setup(name: str, tmp: Path, reps: int, bf16_sync: bool) -> dict:
     n_seqs = s["prompts"] * s["n"]
     seq_len = max(len(p) for p in prompts) + s["max_tokens"]
     res = {"setup": s, "params": param_count(trainer.master, True), "sequences": n_seqs, "seq_len": seq_len,
-           "loadavg_before": os.getloadavg()}
+           "loadavg_before": bench_harness.loadavg()}
     res["int8"] = time_sync_and_generate(model_dir, trainer, "int8", prompts, s, reps, generate=True)
     if bf16_sync:
         res["bf16_sync_only"] = time_sync_and_generate(model_dir, trainer, "bf16", prompts, s, reps, generate=False)
@@ -214,7 +211,7 @@ def run_setup(name: str, tmp: Path, reps: int, bf16_sync: bool) -> dict:
     fb["scaled_to_batch_s"] = fb["median_s"] * n_seqs / fb["micro_batch"]
     res["forward_backward_fp32"] = fb
     res["loss"] = time_losses(n_seqs, s["max_tokens"], max(reps, 9))
-    res["loadavg_after"] = os.getloadavg()
+    res["loadavg_after"] = bench_harness.loadavg()
 
     gen, sync = res["int8"]["median_generate_s"], res["int8"]["median_sync_wall_s"]
     loss = res["loss"]["median_qurl_acr_s"]
@@ -286,8 +283,8 @@ def main() -> None:
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()
     report = {
-        "machine": {"cpu_model": cpu_model_and_flags()[0], "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "loadavg_start": os.getloadavg()},
+        "environment": bench_harness.environment(),
+        "machine": {"cpu_model": cpu_model_and_flags()[0], "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "reps": args.reps, "specs": {k: SPECS[v["model"]] for k, v in SETUPS.items()}, "setups": {},
         "notes": [
             "Sync = trainer-visible wall time of one verl-style full sync of fp32 masters through verl's "
@@ -306,15 +303,13 @@ def main() -> None:
         for name in args.setups:
             report["setups"][name] = run_setup(name, Path(tmp), args.reps, not args.no_bf16_sync)
             print(name, json.dumps(report["setups"][name]["fractions"]), flush=True)
-            out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-            out.with_suffix(".md").write_text(markdown(report))
+            bench_harness.write_result(out, report, markdown(report))
         if not args.no_uaq:
             mid_dir = Path(tmp) / "mid" if (Path(tmp) / "mid").exists() else build_model(Path(tmp) / "mid", "mid")
             report["uaq"] = time_uaq(mid_dir, Path(tmp), args.reps)
             print("uaq", json.dumps(report["uaq"]), flush=True)
-    report["loadavg_end"] = os.getloadavg()
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    report["loadavg_end"] = bench_harness.loadavg()
+    bench_harness.write_result(out, report, markdown(report))
     print("written", out.with_suffix(".json"), out.with_suffix(".md"))
 
 

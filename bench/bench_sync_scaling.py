@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import bench_harness
 import psutil
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # qurl_testkit
-
-from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags  # noqa: E402
+from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
 
 # Qwen2.5 shapes (their config.json), tied embeddings as the small ones have
 SHAPES = {
@@ -185,9 +181,10 @@ def main() -> None:
 
     model_name, flags = cpu_model_and_flags()
     cls = cpu_class(flags)
-    report = {"cpu": {"model": model_name, "class": cls, "cores": os.cpu_count(), "machine": platform.machine()},
+    report = {"environment": bench_harness.environment(cls),
+              "cpu": {"model": model_name, "class": cls, "cores": os.cpu_count(), "machine": platform.machine()},
               "vllm": vllm.__version__, "bucket_mb": BUCKET_MB, "models": {}}
-    out = args.out or REPO / "bench" / "results" / f"sync_scaling_{cls}"
+    out = args.out or bench_harness.RESULTS / f"sync_scaling_{cls}"
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             model_dir = write_config(Path(tmp) / name, SHAPES[name])
@@ -203,9 +200,8 @@ def main() -> None:
                     break
                 print(f"{name} TP {tp}: {why}", flush=True)
                 entry["runs"].append(run_one(model_dir, shapes, tp, args.syncs))
-                out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(markdown(report))
+                bench_harness.write_result(out, report)
+    bench_harness.write_result(out, report, markdown(report))
     print(markdown(report))
 
 

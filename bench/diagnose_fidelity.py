@@ -22,19 +22,16 @@ import argparse
 import gc
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import bench_harness
 import torch
+from bench_models import INITS, build_model, param_count
+from rollout_engines import chat_prompts, score, start_engine
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # qurl_testkit
-sys.path.insert(0, str(REPO / "bench"))
-
-from bench_models import INITS, build_model, param_count  # noqa: E402
-from bench_rollout_throughput import chat_prompts, score, start_engine  # noqa: E402
+REPO = bench_harness.REPO
 
 PAIRS = [  # (x, reference): what each comparison isolates
     ("hf_bf16", "hf_fp32", "bf16 rounding alone (model sensitivity)"),
@@ -181,7 +178,7 @@ def markdown(report: dict) -> str:
     lines = ["# Log-prob fidelity diagnosis: kernel or model?", "",
              f"Model: Qwen2-shaped, random weights ({report['spec']}); {report['n_seqs']} sequences, "
              f"{report['gen_tokens']} tokens each sampled at T=1 from the fp32 HF model; every row scores the same tokens. "
-             f"1-min load average at start: {report['loadavg_start'][0]:.2f}.", "",
+             f"1-min load average at start: {bench_harness.start_loadavg(report)[0]:.2f}.", "",
              "| init | params | fp32 mean log p | logit std | residual RMS (emb -> before final norm) | comparison | mean abs dlogp | median | p95 | max | k1 KL(ref, x) |",
              "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|"]
     for init, r in report["inits"].items():
@@ -248,7 +245,7 @@ def main() -> None:
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()
     report = {"spec": SPECS[args.model] or "tiny default", "n_seqs": args.n_seqs, "gen_tokens": args.gen_tokens,
-              "loadavg_start": os.getloadavg(), "inits": {}}
+              "environment": bench_harness.environment(), "inits": {}}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for init in args.inits:
@@ -260,8 +257,7 @@ def main() -> None:
     report["elapsed_s"] = time.perf_counter() - start
     report["finding"] = finding(report)
     out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    bench_harness.write_result(out, report, markdown(report))
     print("written", out.with_suffix(".json"), out.with_suffix(".md"))
 
 

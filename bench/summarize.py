@@ -8,10 +8,11 @@ partial result shows as "not measured".
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+import bench_harness
+
+REPO = bench_harness.REPO
+RESULTS = bench_harness.RESULTS
 README = REPO / "bench" / "README.md"
 START, END = "<!-- summary:start -->", "<!-- summary:end -->"
 
@@ -48,7 +49,7 @@ def throughput_row(cpu_class: str, rt: dict) -> str:
             if min(by_batch.values()) >= 1.4:
                 met.append(fmt)
     m = rt["machine"]
-    load_avg = ", ".join(f"{b['load_before'][0]:.1f}" for b in rt["blocks"])
+    load_avg = ", ".join(f"{bench_harness.loadavg_of(b, 'before')[0]:.1f}" for b in rt["blocks"])
     measured = (f"{'; '.join(parts) or '-'} ({n} tokens, {rt['model']['params'] / 1e6:.0f}M model, {m['cpu_model']}, "
                 f"oneDNN int8 saturates: {m.get('onednn_int8_saturates')}; INT8 GEMM: {int8_gemm_text(rt)}; "
                 f"1-min load at block starts: {load_avg})")

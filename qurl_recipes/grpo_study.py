@@ -27,268 +27,35 @@ steps), bit-identical to an uninterrupted run. Never imports verl or vLLM.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import json
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from qurl_recipes.data.chain_arithmetic import draw_problems
-from qurl_recipes.rewards.chain_arithmetic import final_answer
+from qurl_recipes.study_checkpoint import CHECKPOINT, resume, save_checkpoint
+from qurl_recipes.study_fp8_kv import FP8KVCache, KVScales, attended_kv_ranges, attention_hook
+from qurl_recipes.study_rollout import (
+    build_rollout,
+    changed_code_shares,
+    exact_rewards,
+    masked_mean,
+    mismatch_stats,
+    quantized_codes,
+    response_log_probs,
+    sample,
+)
+from qurl_recipes.study_settings import VARIANTS, StudySettings
 from qurl_recipes.uaq_vs_lr import clip_grad_norm_as_uaq_, group_normalised_advantages, per_group_lr_param_groups
-from qurl_verl.losses.acr import LOG_RATIO_BOUND, acr_token_loss
-from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
+from qurl_verl.losses.acr import acr_token_loss
 from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
-from qurl_verl.quant import apply_uaq, int_format, quantize_linear_modules_
-from qurl_verl.quant.kv_cache import FP8_KV_MAX, KVRangeObserver, quantize_dequantize_fp8, scale_from_amax
-from qurl_verl.quant.linear import W8A8Linear
-from qurl_verl.quant.uaq import DEFAULT_UAQ_SCALE, DEFAULT_UAQ_TARGETS
-from qurl_verl.quant.update_visibility import changed_code_count
-
-
-@dataclass(frozen=True)
-class Variant:
-    """How a variant rolls out and which loss it trains with."""
-
-    rollout: str  # "bf16" or "quantized" (W{b}A8)
-    loss: str  # "vanilla" (ratio to pi_prox), "naive" (ratio to pi_behav, Eq. 3), "tis" (Eq. 5), "acr" (Eq. 9)
-    uaq: bool = False
-    per_group_lr: bool = False
-    clip_as_uaq: bool = False  # clip by the gradient norm UAQ would see (uaq_vs_lr.clip_grad_norm_as_uaq_)
-    fp8_kv: bool = False  # the rollout's KV cache holds K and V as FP8 E4M3 (per-layer scales)
-
-
-VARIANTS: dict[str, Variant] = {
-    "bf16": Variant("bf16", "vanilla"),
-    "naive": Variant("quantized", "naive"),
-    "tis": Variant("quantized", "tis"),
-    "acr_no_uaq": Variant("quantized", "acr"),
-    "acr_uaq": Variant("quantized", "acr", uaq=True),
-    "acr_per_group_lr": Variant("quantized", "acr", per_group_lr=True),
-    "acr_per_group_lr_uaq_clip": Variant("quantized", "acr", per_group_lr=True, clip_as_uaq=True),
-    "tis_fp8kv": Variant("quantized", "tis", fp8_kv=True),
-    "acr_uaq_fp8kv": Variant("quantized", "acr", uaq=True, fp8_kv=True),
-}
-
-
-@dataclass(frozen=True)
-class StudySettings:
-    steps: int = 200
-    weight_bits: int = 5  # the mildest width whose pilot KL(behav||prox) reached 2e-3 (study README)
-    prompts_per_step: int = 16
-    group_size: int = 8
-    mini_batches: int = 2
-    lr: float = 1e-5  # 1e-4 wrecked greedy accuracy within 12 steps, BF16 included (study README)
-    weight_decay: float = 0.01  # verl's actor.optim default
-    max_grad_norm: float = 1.0
-    is_cap: float = 2.0
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    uaq_scale: float = DEFAULT_UAQ_SCALE
-    max_response_tokens: int = 64
-    n_train: int = 64
-    n_val: int = 64
-    val_every: int = 25
-    data_seed: int = 0
-
-    def __post_init__(self):
-        int_format(self.weight_bits)  # validates 4..8
-        if self.mini_batches < 1 or (self.prompts_per_step * self.group_size) % self.mini_batches:
-            raise ValueError(f"{self.prompts_per_step} x {self.group_size} responses do not split into "
-                             f"{self.mini_batches} equal mini-batches")
-        if self.steps < 1 or self.val_every < 1:
-            raise ValueError("steps and val_every must be positive")
-
-
-def build_rollout(model: nn.Module, variant: Variant, weight_bits: int) -> nn.Module:
-    """The policy the engine would hold after this step's weight sync (a copy; ``model`` untouched)."""
-    policy = _clone(model)
-    if variant.rollout == "bf16":
-        return policy.to(torch.bfloat16)
-    return quantize_linear_modules_(policy, fmt=int_format(weight_bits), fake=True)
-
-
-def _clone(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model).eval()
-
-
-def quantized_codes(rollout: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: m.weight.clone() for name, m in rollout.named_modules() if isinstance(m, W8A8Linear)}
-
-
-def changed_code_shares(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
-                        targets=DEFAULT_UAQ_TARGETS) -> tuple[float, float]:
-    """(share of all quantized weight codes that changed, the same over UAQ's q/k/v targets)."""
-    changed = total = changed_t = total_t = 0
-    for name, codes in after.items():
-        n = changed_code_count(before[name], codes)
-        changed, total = changed + n, total + codes.numel()
-        if name.rsplit(".", 1)[-1] in targets:
-            changed_t, total_t = changed_t + n, total_t + codes.numel()
-    return changed / max(total, 1), changed_t / max(total_t, 1)
-
-
-# vLLM's K and V scale before any is loaded, so what the first rollout of a run uses (the trainer
-# has not run a forward yet that could measure the ranges)
-INITIAL_KV_SCALE = 1.0
-
-
-@dataclass(frozen=True)
-class KVScales:
-    """The per-layer FP8 KV cache scales one rollout uses: ``k[layer]``, ``v[layer]`` (float32)."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-    @classmethod
-    def initial(cls, layers: int) -> KVScales:
-        return cls(torch.full((layers,), INITIAL_KV_SCALE), torch.full((layers,), INITIAL_KV_SCALE))
-
-    @classmethod
-    def from_amax(cls, amax: dict[int, torch.Tensor]) -> KVScales:
-        """Scales from ``KVRangeObserver.take()`` ({layer: [q, k, v] amax}), which must cover every layer."""
-        if sorted(amax) != list(range(len(amax))) or not amax:
-            raise ValueError(f"K/V ranges observed for layers {sorted(amax)}, not for every layer from 0")
-        table = torch.stack([amax[i] for i in range(len(amax))])
-        return cls(scale_from_amax(table[:, 1]), scale_from_amax(table[:, 2]))
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"k": self.k.clone(), "v": self.v.clone()}
-
-    def stats(self) -> dict[str, float]:
-        return {"kv_k_scale_min": float(self.k.min()), "kv_k_scale_max": float(self.k.max()),
-                "kv_v_scale_min": float(self.v.min()), "kv_v_scale_max": float(self.v.max())}
-
-
-class FP8KVCache:
-    """Attention hook (``kv_hook``) that gives every attention call K and V as an FP8 E4M3 cache with
-    these per-layer scales holds them; Q is left as it is. ``fill`` keeps the largest |K| or |V| seen
-    as a share of the FP8 range (448 x scale): above 1 the cache saturated.
-
-    The hook sees the whole cache, past positions and new ones, at every call. It keeps the quantized
-    tensors of each layer and, while decoding, quantizes only the positions added since the last call:
-    the same values as quantizing everything again (elementwise, deterministic), without redoing the
-    whole cache at every token. A call whose query covers every key (a prefill or a full forward)
-    starts afresh."""
-
-    def __init__(self, scales: KVScales):
-        self.scales = scales
-        self.fill = 0.0
-        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @torch.no_grad()
-    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        layer = layer_index(module)
-        k_scale, v_scale = self.scales.k[layer], self.scales.v[layer]
-        added, length = query.shape[-2], key.shape[-2]
-        held = self._held.get(layer)
-        if held is not None and added < length and held[0].shape[:-2] == key.shape[:-2] \
-                and held[0].shape[-2] == length - added:
-            key, value = key[..., -added:, :], value[..., -added:, :]
-        else:
-            held = None
-        self.fill = max(self.fill, float(key.abs().amax() / (FP8_KV_MAX * k_scale)),
-                        float(value.abs().amax() / (FP8_KV_MAX * v_scale)))
-        key, value = quantize_dequantize_fp8(key, k_scale), quantize_dequantize_fp8(value, v_scale)
-        if held is not None:
-            key, value = torch.cat([held[0], key], dim=-2), torch.cat([held[1], value], dim=-2)
-        self._held[layer] = (key, value)
-        return query, key, value
-
-
-def attended_kv_ranges(observer: KVRangeObserver, attention_mask: torch.Tensor):
-    """Attention hook that feeds ``observer`` the Q/K/V of the attended tokens of a full forward
-    (``attention_mask`` [n, T]): verl's padding-free forwards never see pad positions, so their K and
-    V must not widen the ranges."""
-
-    @torch.no_grad()
-    def observe(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        on = attention_mask[:, None, :, None].to(key.dtype)  # [n, 1, T, 1] against [n, heads, T, head_dim]
-        observer.observe(layer_index(module), query.detach() * on, key.detach() * on, value.detach() * on)
-
-    return observe
-
-
-def _attention_hook(hook):
-    return contextlib.nullcontext() if hook is None else kv_hook(hook)
-
-
-@dataclass
-class Rollout:
-    sequences: torch.Tensor  # [N, Lp + L] left-padded prompt, then the response (pad after EOS)
-    attention_mask: torch.Tensor  # [N, Lp + L]
-    response_mask: torch.Tensor  # [N, L] response tokens up to and including EOS
-    behaviour_log_probs: torch.Tensor  # [N, L] log pi_behav of the sampled tokens (float32)
-    texts: list[str]
-    behaviour_entropy: torch.Tensor  # [N, L] entropy of pi_behav at each response position (nats)
-
-
-def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-
-@torch.no_grad()
-def sample(policy: nn.Module, tokenizer, prompts: list[str], group_size: int, max_new_tokens: int,
-           seed: int, greedy: bool = False, kv_cache: FP8KVCache | None = None) -> Rollout:
-    """``group_size`` temperature-1 samples per prompt (or one greedy answer), with their log-probs;
-    with ``kv_cache``, through an FP8 KV cache (sampling and log-probs are the same pass)."""
-    tokenizer.padding_side = "left"
-    enc = tokenizer([p for p in prompts for _ in range(group_size)], return_tensors="pt", padding=True,
-                    add_special_tokens=False)
-    torch.manual_seed(seed)
-    with _attention_hook(kv_cache):
-        out = policy.generate(**enc, do_sample=not greedy, temperature=None if greedy else 1.0, top_k=0, top_p=1.0,
-                              max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=tokenizer.eos_token_id, output_logits=True, return_dict_in_generate=True)
-    prompt_len = enc["input_ids"].shape[1]
-    response = out.sequences[:, prompt_len:]
-    logits = torch.stack(out.logits, dim=1).float()  # [N, L, V], raw (temperature 1, no top-k/p)
-    log_p = torch.log_softmax(logits, dim=-1)
-    behaviour = log_p.gather(-1, response[..., None]).squeeze(-1)
-    entropy = -(log_p.exp() * log_p).nan_to_num().sum(-1)  # 0 * log 0 = 0 where top-k masked a token
-    is_eos = response == tokenizer.eos_token_id
-    ended_before = (is_eos.cumsum(-1) - is_eos.long()) > 0  # an EOS strictly earlier in the row
-    response_mask = ~ended_before
-    attention_mask = torch.cat([enc["attention_mask"], response_mask.long()], dim=1)
-    texts = tokenizer.batch_decode(response, skip_special_tokens=True)
-    return Rollout(out.sequences, attention_mask, response_mask, behaviour, texts, entropy)
-
-
-def response_log_probs(model: nn.Module, rollout: Rollout, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
-    """log pi(response token | prefix) under ``model`` for the given rows, [n, L] float32."""
-    seqs, mask = rollout.sequences[rows], rollout.attention_mask[rows]
-    length = rollout.response_mask.shape[1]
-    logits = model(input_ids=seqs, attention_mask=mask, position_ids=_position_ids(mask)).logits
-    logits = logits[:, -length - 1:-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, seqs[:, -length:, None]).squeeze(-1)
-
-
-def exact_rewards(texts: list[str], answers: list[int]) -> torch.Tensor:
-    return torch.tensor([float(final_answer(t) == a) for t, a in zip(texts, answers)])
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float((x * mask).sum() / mask.sum().clamp(min=1))
-
-
-def mismatch_stats(log_w: torch.Tensor, mask: torch.Tensor, is_cap: float) -> dict[str, float]:
-    """KL(pi_behav || pi_prox) estimators over the sampled tokens and the spread of w = pi_prox / pi_behav."""
-    log_w = log_w.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    w = log_w.exp()
-    on = mask.bool()
-    return {
-        "kl_k1": masked_mean(-log_w, mask),
-        "kl_k3": masked_mean(w - 1 - log_w, mask),
-        "w_max": float(w[on].max()),
-        "w_frac_above_c": masked_mean((w > is_cap).float(), mask),
-    }
+from qurl_verl.quant import apply_uaq
+from qurl_verl.quant.kv_cache import KVRangeObserver
 
 
 class StudyRun:
@@ -415,7 +182,7 @@ class StudyRun:
         kv_ranges = KVRangeObserver() if kv_cache is not None else None
         for part in rows.chunk(s.mini_batches):
             observe = attended_kv_ranges(kv_ranges, rollout.attention_mask[part]) if kv_ranges is not None else None
-            with _attention_hook(observe):
+            with attention_hook(observe):
                 log_prob = response_log_probs(self.model, rollout, part)
             loss_mat, stats = acr_token_loss(log_prob, old[part], loss_log_w[part], advantages[part], mask[part],
                                              is_cap=s.is_cap, clip_ratio_low=s.clip_ratio_low,
@@ -456,46 +223,6 @@ def cpu_description() -> dict:
     model, flags = cpu_model_and_flags()
     return {"model": model, "isa": cpu_class(flags), "torch_threads": torch.get_num_threads()}
 
-
-CHECKPOINT = "checkpoint.pt"
-
-
-def _identity(variant: str, seed: int, settings: StudySettings) -> dict:
-    return {"variant": variant, "seed": seed, "settings": asdict(settings)}
-
-
-def save_checkpoint(path: Path, study: StudyRun, next_step: int, lines: int, wall_s: float,
-                    resumed_at: list[int]) -> None:
-    """Write to a temporary file, then rename: a kill mid-write leaves the previous checkpoint whole."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save({**_identity(study.name, study.seed, study.settings), "next_step": next_step, "lines": lines,
-                "wall_s": wall_s, "resumed_at": resumed_at, "state": study.state_dict()}, tmp)
-    os.replace(tmp, path)
-
-
-def _resume(study: StudyRun, checkpoint: Path, partial: Path) -> tuple[int, float, list[int]]:
-    """(next step, wall seconds spent, steps resumed at) after loading ``checkpoint`` if it belongs to
-    this run, with ``partial`` cut back to the lines it covers; (0, 0.0, []) to start over."""
-    label = f"[study] {study.name} seed {study.seed}"
-    if not checkpoint.exists():
-        return 0, 0.0, []
-    saved = torch.load(checkpoint, weights_only=True)
-    if {k: saved.get(k) for k in ("variant", "seed", "settings")} != _identity(study.name, study.seed, study.settings):
-        print(f"{label}: checkpoint at step {saved.get('next_step')} has other settings; starting over", flush=True)
-        return 0, 0.0, []
-    lines = partial.read_text().splitlines(keepends=True) if partial.exists() else []
-    if len(lines) < saved["lines"]:
-        print(f"{label}: {partial.name} holds {len(lines)} of the checkpoint's {saved['lines']} lines; "
-              f"starting over", flush=True)
-        return 0, 0.0, []
-    study.load_state_dict(saved["state"])
-    kept = partial.with_name(partial.name + ".tmp")
-    kept.write_text("".join(lines[:saved["lines"]]))  # drops the steps after the checkpoint
-    os.replace(kept, partial)
-    print(f"{label}: resuming from the checkpoint at step {saved['next_step']} ({checkpoint})", flush=True)
-    return saved["next_step"], saved["wall_s"], [*saved["resumed_at"], saved["next_step"]]
-
-
 def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings, out_dir: str | Path,
         checkpoint_every: int = 50) -> Path:
     """Run (or keep, or resume) one variant/seed; returns its folder with ``metrics.jsonl`` and ``run.json``.
@@ -514,7 +241,7 @@ def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings,
     study = StudyRun(model_dir, variant, seed, settings)
     partial = metrics.with_suffix(".jsonl.partial")
     checkpoint = folder / CHECKPOINT
-    start, spent, resumed_at = _resume(study, checkpoint, partial)
+    start, spent, resumed_at = resume(study, checkpoint, partial)
     t0 = time.perf_counter() - spent
     with partial.open("a" if start else "w") as f:
         for step in range(start, settings.steps):

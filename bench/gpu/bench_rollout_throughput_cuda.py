@@ -30,7 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+# Run by path from bench/gpu: bench/ holds bench_harness, which puts the repository root (qurl_verl) first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import bench_harness  # noqa: E402
 
 # Qwen2.5 shapes (config.json of the released checkpoints); attention q/k/v carry biases.
 MODELS = {
@@ -97,7 +99,7 @@ def run_model(name: str, args, tmp: Path) -> dict:
     model_dir = write_config(tmp / name, MODELS[name])
     batch = prompts(max(args.batches), args.prompt_len, MODELS[name]["vocab_size"])
     report = {"model": name, "spec": MODELS[name], "device": torch.cuda.get_device_name(0),
-              "args": {k: v for k, v in vars(args).items()}, "blocks": []}
+              "args": {k: v for k, v in vars(args).items()}, "environment": bench_harness.environment(), "blocks": []}
     for _block in range(args.blocks):
         for fmt in args.formats:
             t0 = time.perf_counter()
@@ -148,9 +150,8 @@ def main() -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and engine arguments, run nothing")
-    parser.add_argument("--out-dir", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--out-dir", default=str(bench_harness.RESULTS))
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO))
 
     if args.dry_run:
         for name in args.models:
@@ -172,8 +173,7 @@ def main() -> int:
         for name in args.models:
             report = run_model(name, args, Path(tmp))
             out = Path(args.out_dir) / f"rollout_throughput_cuda_{name}"
-            out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-            out.with_suffix(".md").write_text(markdown(report))
+            bench_harness.write_result(out, report, markdown(report))
             print("written", out.with_suffix(".json"))
     return 0
 

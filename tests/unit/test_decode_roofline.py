@@ -12,11 +12,14 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "bench" / "bench_decode_roofline.py"
-spec = importlib.util.spec_from_file_location("bench_decode_roofline", SCRIPT)
-roofline = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = roofline  # dataclasses look their module up
-spec.loader.exec_module(roofline)
+sys.path.insert(0, str(REPO / "bench"))  # the script and its modules import each other as when run by path
+
+import bench_decode_roofline  # noqa: E402
+import roofline_bytes  # noqa: E402
+import roofline_markdown  # noqa: E402
+import roofline_published  # noqa: E402
+import roofline_recipes  # noqa: E402
+import roofline_shapes  # noqa: E402
 
 BYTES = {"bf16": (2, 2), "w8a8": (1, 2), "w8a8_fp8kv": (1, 1)}  # (decoder linear weight, KV element)
 SCALE_BYTES = 4  # one fp32 scale per output channel of an 8-bit linear
@@ -68,14 +71,14 @@ def independent_counts(model, seqs: int, setup: str) -> dict:
                                   "Qwen/Qwen3-8B-Base"])
 @pytest.mark.parametrize("setup", ["bf16", "w8a8", "w8a8_fp8kv"])
 def test_bytes_match_a_model_built_by_transformers(name, setup):
-    shape = roofline.MODEL_SHAPES[name]
+    shape = roofline_shapes.MODEL_SHAPES[name]
     seqs, context = 96, 5000
     ref = independent_counts(meta_model(shape), seqs, setup)
-    s = roofline.SETUP_BY_NAME[setup]
-    step = roofline.decode_step_bytes(shape, s, 1, seqs, context)
+    s = roofline_shapes.SETUP_BY_NAME[setup]
+    step = roofline_bytes.decode_step_bytes(shape, s, 1, seqs, context)
     assert step["weight_bytes"] == pytest.approx(ref["read"], rel=1e-12)
-    assert roofline.stored_weight_bytes(shape, s, 1) == pytest.approx(ref["resident"], rel=1e-12)
-    assert roofline.kv_bytes_per_token(shape, s, 1) == ref["kv_per_token"]
+    assert roofline_bytes.stored_weight_bytes(shape, s, 1) == pytest.approx(ref["resident"], rel=1e-12)
+    assert roofline_bytes.kv_bytes_per_token(shape, s, 1) == ref["kv_per_token"]
     assert step["total_bytes"] == pytest.approx(ref["read"] + seqs * context * ref["kv_per_token"], rel=1e-12)
 
 
@@ -85,27 +88,27 @@ def test_published_parameter_counts():
               "Qwen/Qwen2.5-32B": 32.8e9, "Qwen/Qwen3-8B-Base": 8.19e9, "Qwen/Qwen2.5-14B": 14.8e9,
               "Qwen/Qwen2.5-0.5B-Instruct": 0.49e9}
     for name, count in stated.items():
-        params = roofline.stored_weight_bytes(roofline.MODEL_SHAPES[name], roofline.SETUP_BY_NAME["bf16"], 1) / 2
+        params = roofline_bytes.stored_weight_bytes(roofline_shapes.MODEL_SHAPES[name], roofline_shapes.SETUP_BY_NAME["bf16"], 1) / 2
         assert params == pytest.approx(count, rel=0.01), name
 
 
 def test_tensor_parallel_splits_and_replicates_kv_heads():
-    bf16 = roofline.SETUP_BY_NAME["bf16"]
-    m7 = roofline.MODEL_SHAPES["Qwen/Qwen2.5-7B"]  # 4 KV heads
+    bf16 = roofline_shapes.SETUP_BY_NAME["bf16"]
+    m7 = roofline_shapes.MODEL_SHAPES["Qwen/Qwen2.5-7B"]  # 4 KV heads
     for tp in (1, 2, 4):
-        assert roofline.kv_bytes_per_token(m7, bf16, tp) * tp == roofline.kv_bytes_per_token(m7, bf16, 1)
-    m05 = roofline.MODEL_SHAPES["Qwen/Qwen2.5-0.5B-Instruct"]  # 2 KV heads: at TP 4 each rank keeps one
-    assert roofline.kv_bytes_per_token(m05, bf16, 4) == m05.num_layers * 2 * m05.head_dim * 2
+        assert roofline_bytes.kv_bytes_per_token(m7, bf16, tp) * tp == roofline_bytes.kv_bytes_per_token(m7, bf16, 1)
+    m05 = roofline_shapes.MODEL_SHAPES["Qwen/Qwen2.5-0.5B-Instruct"]  # 2 KV heads: at TP 4 each rank keeps one
+    assert roofline_bytes.kv_bytes_per_token(m05, bf16, 4) == m05.num_layers * 2 * m05.head_dim * 2
     # weights: everything but the replicated norms, the replicated k/v and the row-parallel layers' scales splits
-    one = roofline.weight_bytes_read_per_step(m7, roofline.SETUP_BY_NAME["w8a8"], 1, 0)
-    four = roofline.weight_bytes_read_per_step(m7, roofline.SETUP_BY_NAME["w8a8"], 4, 0)
+    one = roofline_bytes.weight_bytes_read_per_step(m7, roofline_shapes.SETUP_BY_NAME["w8a8"], 1, 0)
+    four = roofline_bytes.weight_bytes_read_per_step(m7, roofline_shapes.SETUP_BY_NAME["w8a8"], 4, 0)
     replicated_per_rank = 2 * (m7.num_layers * 2 * m7.hidden_size + m7.hidden_size) + 4 * 2 * m7.hidden_size * m7.num_layers
     assert four * 4 == pytest.approx(one + 3 * replicated_per_rank, rel=1e-12)
 
 
 def test_the_issues_arithmetic():
     """DeepScaleR, 128 sequences per GPU at 3k context, as the issue works it out by hand."""
-    s = roofline.issue_sanity_check()
+    s = roofline_published.issue_sanity_check()
     assert s["kv_kib_per_token_bf16"] == 28
     assert s["kv_gb_bf16"] == pytest.approx(11, abs=0.5)
     assert s["weights_gb"]["bf16"] == pytest.approx(3.1, abs=0.05)
@@ -114,27 +117,27 @@ def test_the_issues_arithmetic():
     assert s["speedup"]["w8a8_fp8kv"] == pytest.approx(1.9, abs=0.05)
 
 
-@pytest.mark.parametrize("name", sorted(roofline.MODEL_SHAPES))
+@pytest.mark.parametrize("name", sorted(roofline_shapes.MODEL_SHAPES))
 def test_speedups_are_monotone_in_context_and_batch(name):
     """More KV per step: 8-bit weights alone matter less, an 8-bit KV cache more, never below 1x."""
-    shape = roofline.MODEL_SHAPES[name]
+    shape = roofline_shapes.MODEL_SHAPES[name]
     for seqs in (1, 32, 256):
         w8, fp8kv = [], []
         for context in range(0, 33000, 1000):
-            row = roofline.compare_setups(shape, 1, seqs, context)
+            row = roofline_bytes.compare_setups(shape, 1, seqs, context)
             w8.append(row["w8a8"]["speedup_over_bf16"])
             fp8kv.append(row["w8a8_fp8kv"]["speedup_over_bf16"])
         assert all(a >= b for a, b in zip(w8, w8[1:])), (seqs, w8)
         assert all(a <= b for a, b in zip(fp8kv, fp8kv[1:])), (seqs, fp8kv)
         assert all(1 <= a <= b <= 2 for a, b in zip(w8, fp8kv))
-    by_batch = [roofline.compare_setups(shape, 1, seqs, 4096)["w8a8"]["speedup_over_bf16"] for seqs in (1, 8, 64, 512)]
+    by_batch = [roofline_bytes.compare_setups(shape, 1, seqs, 4096)["w8a8"]["speedup_over_bf16"] for seqs in (1, 8, 64, 512)]
     assert all(a >= b for a, b in zip(by_batch, by_batch[1:]))
 
 
 def test_step_time_is_bytes_over_bandwidth():
-    shape = roofline.MODEL_SHAPES["Qwen/Qwen2.5-7B"]
-    row = roofline.compare_setups(shape, 1, 64, 2048)
-    for acc in roofline.ACCELERATORS:
+    shape = roofline_shapes.MODEL_SHAPES["Qwen/Qwen2.5-7B"]
+    row = roofline_bytes.compare_setups(shape, 1, 64, 2048)
+    for acc in roofline_shapes.ACCELERATORS:
         for s in ("bf16", "w8a8", "w8a8_fp8kv"):
             assert row[s]["step_ms"][acc.name] * acc.bandwidth_bytes_per_s / 1e3 == pytest.approx(row[s]["total_bytes"])
 
@@ -143,11 +146,11 @@ def test_recipes_resolve_with_their_own_defaults(monkeypatch):
     """Hydra defaults are merged (dapo takes _dapo's batch and TP) and the shell's environment does not leak in."""
     monkeypatch.setenv("MODEL_PATH", "/somewhere/else")
     monkeypatch.setenv("NNODES", "3")
-    dapo = roofline.recipe_inputs(roofline.RECIPE_DIR / "dapo.yaml")["inputs"]
+    dapo = roofline_recipes.recipe_inputs(roofline_recipes.RECIPE_DIR / "dapo.yaml")["inputs"]
     assert dapo["model"] == "Qwen/Qwen2.5-7B" and dapo["nnodes"] == 8
     assert dapo["train_batch_size"] == 512 and dapo["rollout_n"] == 16 and dapo["tensor_model_parallel_size"] == 4
-    gsm8k = roofline.recipe_inputs(roofline.RECIPE_DIR / "gsm8k_ppo.yaml")
-    assert gsm8k["inputs"]["max_num_seqs"] == roofline.VERL_DEFAULTS["max_num_seqs"]
+    gsm8k = roofline_recipes.recipe_inputs(roofline_recipes.RECIPE_DIR / "gsm8k_ppo.yaml")
+    assert gsm8k["inputs"]["max_num_seqs"] == roofline_recipes.VERL_DEFAULTS["max_num_seqs"]
     assert any("max_num_seqs" in d for d in gsm8k["defaults_taken"])
 
 
@@ -158,15 +161,15 @@ def test_verl_defaults_are_verls():
     from omegaconf import OmegaConf
 
     generated = OmegaConf.load(Path(found.origin).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
-    for key, value in roofline.VERL_DEFAULTS.items():
-        assert OmegaConf.select(generated, roofline.RECIPE_KEYS[key]) == value, key
+    for key, value in roofline_recipes.VERL_DEFAULTS.items():
+        assert OmegaConf.select(generated, roofline_recipes.RECIPE_KEYS[key]) == value, key
 
 
 def test_report_covers_every_recipe_and_renders_from_its_json(tmp_path):
-    paths = sorted(p for p in roofline.RECIPE_DIR.glob("*.yaml") if not p.stem.startswith("_"))
-    report = json.loads(json.dumps(roofline.build_report(paths, [1024, 3072], 32)))
+    paths = sorted(p for p in roofline_recipes.RECIPE_DIR.glob("*.yaml") if not p.stem.startswith("_"))
+    report = json.loads(json.dumps(bench_decode_roofline.build_report(paths, [1024, 3072], 32)))
     assert {r["file"] for r in report["recipes"]} == {str(p.relative_to(REPO)) for p in paths}
-    md = roofline.markdown(report)
+    md = roofline_markdown.markdown(report)
     for r in report["recipes"]:
         assert f"## {r['name']} " in md
     for p in report["published"]:

@@ -7,16 +7,10 @@ import statistics
 
 import pytest
 
-from qurl_recipes.study_report import (
-    build_long_horizon,
-    build_report,
-    claim_checks,
-    long_markdown,
-    main,
-    mean_se,
-    seed_statistics,
-    variant_summary,
-)
+from qurl_recipes.study_claims import claim_checks
+from qurl_recipes.study_report import build_long_horizon, build_report, main
+from qurl_recipes.study_statistics import mean_se, seed_statistics, variant_summary
+from qurl_recipes.study_tables import long_markdown
 
 C = 2.0
 
