@@ -125,6 +125,7 @@ def start_engine(model_dir: Path, setup: str, max_model_len: int, max_num_seqs: 
         enable_prefix_caching=False,
         logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION,
+        additional_config=settings.additional_config(),  # where the workers read the settings
         seed=0,
         disable_log_stats=False,  # per-request timestamps (RequestOutput.metrics): prefill and decode phases
     )

@@ -43,7 +43,6 @@ from rollout_engines import (
     score,
     start_engine,
     time_generate,
-    weight_bits,
 )
 from rollout_throughput_report import fidelity, markdown, summarize
 
@@ -66,7 +65,7 @@ def run_block(model_dir: Path, trainer, fmt: str, args, prompts, fid, first: boo
     init_s = time.perf_counter() - t0
     block = {"format": fmt, "loadavg_before": load_before, "engine_init_s": init_s, "runs": {}}
     try:
-        harness.sync_weights(llm, trainer.named_tensors(), bucket_mb=256, weight_bits=weight_bits(fmt))
+        harness.sync_weights(llm, trainer.named_tensors(), bucket_mb=256)
         if fmt.startswith("int"):  # which GEMM the engine's INT8 linears hold, as it reports them
             from qurl_verl.rollout.int8_gemm_report import count
 

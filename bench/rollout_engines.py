@@ -49,7 +49,8 @@ def start_engine(model_dir: Path, fmt: str, max_model_len: int, dtype: str = "bf
 
     from qurl_verl.settings import RolloutSettings
 
-    quantization, hf_overrides = RolloutSettings(format=engine_format(fmt)).engine_quantization()
+    settings = RolloutSettings(format=engine_format(fmt), weight_bits=weight_bits(fmt))
+    quantization, hf_overrides = settings.engine_quantization()
     return LLM(
         model=str(model_dir),
         dtype=dtype,
@@ -62,6 +63,7 @@ def start_engine(model_dir: Path, fmt: str, max_model_len: int, dtype: str = "bf
         enable_prefix_caching=False,
         logprobs_mode="processed_logprobs",
         worker_extension_cls="qurl_verl.rollout.worker_extension.QurlWorkerExtension",
+        additional_config=settings.additional_config(),  # where the workers read the settings
         seed=0,
     )
 

@@ -55,15 +55,17 @@ def write_config(out: Path, spec: dict) -> Path:
 
 
 def engine_kwargs(model_dir: Path, fmt: str, args) -> dict:
-    from qurl_verl.rollout.settings import QurlRolloutSettings
+    from qurl_verl.settings import RolloutSettings
 
-    quantization, hf_overrides = QurlRolloutSettings(format=fmt).engine_quantization()
+    settings = RolloutSettings(format=fmt)
+    quantization, hf_overrides = settings.engine_quantization()
     return dict(model=str(model_dir), dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
                 quantization=quantization, hf_overrides=hf_overrides or None,
                 max_model_len=args.prompt_len + args.max_tokens + 8, max_num_seqs=max(args.batches),
                 gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.eager,
                 enable_prefix_caching=False, seed=0,
-                worker_extension_cls="qurl_verl.rollout.worker_extension.QurlWorkerExtension")
+                worker_extension_cls="qurl_verl.rollout.worker_extension.QurlWorkerExtension",
+                additional_config=settings.additional_config())
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:

@@ -161,8 +161,8 @@ def check_format(fmt: str, model_dir: Path, syncs: int, atol: float, tmp: Path) 
     trainer = TrainerWeights(model_dir)
     report = {"format": fmt, "syncs": [], "ok": True}
 
-    live = LLM(load_format="dummy", **engine_args(model_dir, quantization, overrides,
-                                                   "qurl_verl.rollout.worker_extension.QurlWorkerExtension"))
+    live = LLM(load_format="dummy", additional_config=settings.additional_config(),  # the workers read it there
+               **engine_args(model_dir, quantization, overrides, "qurl_verl.rollout.worker_extension.QurlWorkerExtension"))
     previous = None
     try:
         for step in range(syncs):
