@@ -8,7 +8,6 @@ taken it out; its stat is the tensor's sum, which the test computes itself in fl
 from __future__ import annotations
 
 import pytest
-import torch
 
 from qurl_testkit.reload_harness import TrainerWeights, require_vllm, start_engine, stop_engine, sync_weights
 from qurl_verl.rollout import features

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from qurl_recipes.data import math_datasets as md
+from qurl_recipes.data import reward_agreement
 from qurl_recipes.rewards.boxed_math import boxed_answer, compute_score
 
 ROWS = 6
@@ -15,7 +16,7 @@ ROWS = 6
 
 @pytest.fixture(scope="module")
 def deepscaler_report():
-    return md.reward_agreement("deepscaler", limit=ROWS)
+    return reward_agreement.reward_agreement("deepscaler", limit=ROWS)
 
 
 def test_recipe_rewards_are_loaded_as_verl_loads_them():
@@ -41,7 +42,7 @@ def test_deepscaler_reward_agrees_with_each_eval_set(deepscaler_report):
 
 
 def test_dapo_reward_agrees_with_its_files():
-    report = md.reward_agreement("dapo", limit=50)
+    report = reward_agreement.reward_agreement("dapo", limit=50)
     assert [name.split(" ")[0] for name in report] == ["math_dapo", "aime2024"]
     for name, s in report.items():
         assert (s["answer_correct"], s["perturbed_wrong"]) == (s["rows"], s["rows"]), (name, s)
