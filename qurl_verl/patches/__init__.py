@@ -5,6 +5,7 @@
 | ``always`` | in every process that imports verl; acts only on configs that use qurl-verl | the plugin | ``always.apply_all()`` |
 | ``cpu_platform`` | only with ``VERL_PLATFORM=cpu`` | the plugin | ``cpu_platform.apply_all()`` |
 | ``qurl_vllm`` | only in a process that runs the ``qurl_vllm`` rollout adapter | the adapter | ``loss_metrics_channel.apply()`` |
+| ``qurl_vllm_server`` | only on a ``qurl_vllm`` server's own engine object | the server | ``qurl_vllm_server.apply_all(engine)`` |
 | ``vllm_cpu_worker`` | only inside a ``qurl_vllm`` vLLM worker on a CPU (some only on some CPUs) | the worker extension | ``before_model_load()``, ``after_reload(model)`` |
 | ``vllm_worker`` | inside every ``qurl_vllm`` vLLM worker, on every platform | the worker extension | ``vllm_worker.apply_all()`` |
 | ``install`` | once, by the install script (``python -m ...``) | the user | the module's ``--install`` |

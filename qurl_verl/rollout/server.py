@@ -18,6 +18,8 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
 * ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
   the plugin leaves out the stock-rollout CPU patch there.
 * ``collective_rpc`` returns the workers' results, so the adapter can read the sync timings.
+* ``abort_all_requests`` (verl's pause before an asynchronous trainer's sync) goes through an engine that
+  takes verl's call on every tested vLLM (``patches.qurl_vllm_server``).
 
 The replica must name its server actors with the prefix the adapter looks up
 (``ServerAdapter._get_server_name_prefix`` is ``f"{rollout.name}_"``; verl's vLLM replica
@@ -33,6 +35,7 @@ import torch
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from qurl_verl.model_info import moe_experts
+from qurl_verl.patches import qurl_vllm_server as qurl_vllm_server_patches
 from qurl_verl.platform.host import Host
 from qurl_verl.rollout import features as sync_features
 from qurl_verl.rollout.cuda_kernel_env import kernel_env
@@ -95,6 +98,12 @@ class QurlvLLMHttpServer(vLLMHttpServer):
     async def launch_server(self, *args, **kwargs):
         os.environ[LAYERWISE_RELOAD_WORKER_ENV] = "1"
         return await super().launch_server(*args, **kwargs)
+
+    async def abort_all_requests(self, *args, **kwargs):
+        """verl's pause before a sync of its asynchronous trainers, on an engine that takes verl's call
+        (``patches.qurl_vllm_server``)."""
+        qurl_vllm_server_patches.apply_all(getattr(self, "engine", None))
+        return await super().abort_all_requests(*args, **kwargs)
 
     async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         return await self.engine.collective_rpc(method=method, timeout=timeout, args=args, kwargs=kwargs)

@@ -21,7 +21,7 @@ def group_modules(group: str) -> list[str]:
 
 
 def test_the_groups_are_the_ones_the_package_documents():
-    assert GROUPS == ["always", "cpu_platform", "install", "qurl_vllm", "vllm_cpu_worker", "vllm_worker"]
+    assert GROUPS == ["always", "cpu_platform", "install", "qurl_vllm", "qurl_vllm_server", "vllm_cpu_worker", "vllm_worker"]
 
 
 @pytest.mark.parametrize("group", GROUPS)
