@@ -7,25 +7,24 @@ import io
 import torch
 
 from qurl_verl.patches.vllm_cpu_worker import (
-    vllm_cpu_int8_fp32_onednn,
-    vllm_cpu_int8_saturation,
+    vllm_cpu_int8_kernels,
     vllm_cpu_onednn_scale_keepalive,
     vllm_cpu_tied_lm_head_refresh,
 )
-from qurl_verl.patches.vllm_cpu_worker.vllm_cpu_int8_saturation import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
-from qurl_verl.rollout import int8_gemm_report
+from qurl_verl.rollout import cpu_int8_paths, int8_gemm_report
+from qurl_verl.rollout.cpu_int8_paths import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.tied_lm_head import tied_output_embedding
 
 
 def force_amx_int8_choice() -> None:
     """vLLM decides its sgl (AMX) paths as on an AMX CPU, with ``qurl_testkit/sgl_stand_in.py`` for their ops,
-    and ``vllm_cpu_int8_fp32_onednn``'s predicate (AMX tiles present) answers as there."""
+    and the AMX INT8 kernel class's predicate (AMX tiles present, ``cpu_int8_paths.amx_tiles``) answers as there."""
     from qurl_testkit import sgl_stand_in
 
     sgl_stand_in.install_ops()
     sgl_stand_in.force_choice()
-    vllm_cpu_int8_fp32_onednn.applies = lambda: True
+    cpu_int8_paths.amx_tiles = lambda: True
 
 
 class SettingsProbe:
@@ -42,14 +41,18 @@ class SettingsProbe:
 class ProbeWorkerExtension(SettingsProbe, QurlWorkerExtension):
     """The reload patches off until a test installs them; the INT8 GEMM is vLLM's oneDNN kernel on every
     CPU. vLLM's choice is forced to what an AMX CPU gets (its sgl kernel, which refuses the fp32 engine
-    these tests run), and ``vllm_cpu_int8_fp32_onednn`` gives the fp32 layers oneDNN, as on a real AMX
-    CPU: the oneDNN handles whose scales the keep-alive patch protects. Without that kernel choice an AMX
-    CPU's engine died at the first generate, before the tests could show anything."""
+    these tests run), and the AMX INT8 kernel class (``vllm_cpu_int8_kernels``) gives the fp32 layers
+    oneDNN, as on a real AMX CPU: the oneDNN handles whose scales the keep-alive patch protects. Without
+    that kernel choice an AMX CPU's engine died at the first generate, before the tests could show
+    anything. The saturating CPU's class answers no until ``probe_install("saturation")``."""
 
     @classmethod
     def _install_cpu_patches(cls) -> None:
         force_amx_int8_choice()
-        vllm_cpu_int8_fp32_onednn.apply()
+        if not hasattr(cls, "_probe_saturates"):  # once per process: keep the real probe for probe_install
+            cls._probe_saturates = staticmethod(cpu_int8_paths.onednn_int8_saturates)
+            cpu_int8_paths.onednn_int8_saturates = lambda: False
+        vllm_cpu_int8_kernels.apply()
 
     def _refresh_after_reload(self, model) -> None:
         if getattr(self, "_probe_refresh", False):
@@ -59,11 +62,35 @@ class ProbeWorkerExtension(SettingsProbe, QurlWorkerExtension):
         if name == "keepalive":
             return vllm_cpu_onednn_scale_keepalive.apply()
         if name == "saturation":
-            return vllm_cpu_int8_saturation.apply()
+            cpu_int8_paths.onednn_int8_saturates = self._probe_saturates
+            return self._reselect_int8_kernels()
         if name == "refresh":
             self._probe_refresh = True
             return "refresh after reload"
         raise ValueError(name)
+
+    def _reselect_int8_kernels(self) -> str:
+        """vLLM's selector asked again for every INT8 linear's kernel, now that the saturating CPU's class
+        may answer yes: a kernel object of another class takes the chosen class, as if vLLM had chosen it
+        when it built the model (the next reload post-processes the layer with it). What changed, or ""."""
+        import inspect
+
+        from vllm.model_executor.kernels.linear import _POSSIBLE_INT8_KERNELS, choose_scaled_mm_linear_kernel
+
+        # vLLM 0.32's selector also takes the quantization its backend override is keyed by; 0.24's does not
+        by_quantization = "quantization" in inspect.signature(choose_scaled_mm_linear_kernel).parameters
+        extra = {"quantization": "int8_w8a8"} if by_quantization else {}
+        vllm_cpu_int8_kernels.apply()
+        changed = set()
+        for module in self.model_runner.model.modules():
+            kernel = int8_gemm_report.int8_kernel(module)
+            if kernel is None:
+                continue
+            chosen = choose_scaled_mm_linear_kernel(kernel.config, _POSSIBLE_INT8_KERNELS, **extra)
+            if type(kernel) is not chosen:
+                changed.add(f"{type(kernel).__name__} -> {chosen.__name__}")
+                kernel.__class__ = chosen
+        return ", ".join(sorted(changed))
 
     def probe_refresh_lm_head(self) -> bool:
         return bool(vllm_cpu_tied_lm_head_refresh.refresh(self.model_runner.model))
@@ -84,22 +111,23 @@ class ProbeWorkerExtension(SettingsProbe, QurlWorkerExtension):
         return len(caches)
 
     def probe_int8_saturates(self) -> bool:
-        return vllm_cpu_int8_saturation.onednn_int8_saturates()
+        return getattr(self, "_probe_saturates", cpu_int8_paths.onednn_int8_saturates)()
 
 
 class ForcedSaturationWorkerExtension(QurlWorkerExtension):
     """The production extension on a CPU that looks like one without VNNI: the saturation probe
-    answers yes, so the INT8 linears take the saturating CPU's path (the packed AVX2 GEMM)."""
+    answers yes, so vLLM chooses the saturating CPU's INT8 kernel class and the INT8 linears take its
+    path (the packed AVX2 GEMM)."""
 
     @classmethod
     def _install_cpu_patches(cls) -> None:
-        vllm_cpu_int8_saturation.onednn_int8_saturates = lambda: True
+        cpu_int8_paths.onednn_int8_saturates = lambda: True
         super()._install_cpu_patches()
 
     def probe_int8_paths(self) -> list[str]:
         """The GEMM path each INT8 linear holds now (the dummy weights of the first load may differ)."""
         kernels = [getattr(getattr(m, "scheme", None), "kernel", None) for m in self.model_runner.model.modules()]
-        return sorted({getattr(k, vllm_cpu_int8_saturation.INT8_PATH_ATTR, "none") for k in kernels if k is not None})
+        return sorted({getattr(k, INT8_PATH_ATTR, "none") for k in kernels if k is not None})
 
 
 class MoeProbeWorkerExtension(QurlWorkerExtension):
@@ -237,7 +265,7 @@ class ShardProbeWorkerExtension(QurlWorkerExtension):
 
 # Objects hanging off a module that may keep tensors outside its parameters and buffers.
 _TENSOR_OWNERS = ("quant_method", "scheme")
-# The INT8 kernel's tensors for each CPU GEMM path (``vllm_cpu_int8_saturation``): those of a path
+# The INT8 kernel's tensors for each CPU GEMM path (``cpu_int8_paths``): those of a path
 # the kernel no longer runs (the split path, chosen at start-up for the dummy weights' -128 codes)
 # stay behind, never read again.
 _PATH_TENSORS = {SPLIT_SCALE_ATTR: "onednn_split", PACKED_ATTR: "avx2_packed"}

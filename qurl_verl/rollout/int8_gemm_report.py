@@ -1,13 +1,15 @@
 """Which GEMM each INT8 linear of a live vLLM engine runs, read from the engine's kernel objects.
 
-vLLM picks a kernel per layer at every (re)load, and on a CPU the choice depends on the CPU class, the
-layer's shape and dtype, and the project's patches, so results name what the engine holds rather than
-what the CPU suggests. The names:
+vLLM picks a kernel class per layer when it builds the model (on a CPU: the project's classes of
+``cpu_int8_kernels`` where they are supported, vLLM's ``CPUInt8ScaledMMLinearKernel`` elsewhere), and that
+object picks its GEMM path at every (re)load from the CPU class, the layer's shape and dtype and its codes,
+so results name what the engine holds rather than what the CPU suggests: the path the kernel object keeps
+(``cpu_int8_paths.INT8_PATH_ATTR``), or for vLLM's own class the GEMM method it set. The names:
 
 | name | where | what |
 |---|---|---|
 | ``amx_sgl`` | vLLM-CPU on AMX (0.32 by default, 0.24 with ``VLLM_CPU_SGL_KERNEL=1``), bf16/fp16 layers | vLLM's sgl-kernel ``int8_scaled_mm_with_quant``, weights packed by ``convert_weight_packed`` |
-| ``onednn`` | vLLM-CPU elsewhere (also fp32 layers on AMX, and 7-bit codes where oneDNN saturates) | vLLM's oneDNN INT8 GEMM |
+| ``onednn`` | vLLM-CPU elsewhere (also fp32 layers on AMX, and 7-bit codes where oneDNN saturates: path ``onednn_7bit``) | vLLM's oneDNN INT8 GEMM |
 | ``avx2_packed`` | CPUs whose oneDNN int8 GEMM saturates (no VNNI) | the project's packed AVX2 GEMM |
 | ``onednn_split`` | the same, without the AVX2 GEMM or with a code of -128 | oneDNN on split 7-bit weights |
 
@@ -15,14 +17,16 @@ Any other kernel (CUDA's CUTLASS, Marlin, ...) is named by its class.
 """
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import torch
 
-from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
+from qurl_verl.rollout.cpu_int8_paths import INT8_PATH_ATTR
 
 INT8_GEMMS = ("amx_sgl", "onednn", "avx2_packed", "onednn_split")
+# a kernel's path -> the GEMM it runs (one oneDNN GEMM on 7-bit codes is vLLM's oneDNN GEMM)
+PATH_GEMMS = {"amx_sgl": "amx_sgl", "onednn": "onednn", "avx2_packed": "avx2_packed",
+              "onednn_7bit": "onednn", "onednn_split": "onednn_split"}
 
 
 def int8_kernel(module: torch.nn.Module):
@@ -34,14 +38,14 @@ def int8_kernel(module: torch.nn.Module):
 
 
 def kernel_gemm(kernel) -> str:
-    """The name (``INT8_GEMMS``) of the GEMM this kernel object calls, or its class name where it is not
-    vLLM-CPU's INT8 kernel."""
+    """The name (``INT8_GEMMS``) of the GEMM this kernel object calls: from the path it keeps (the project's
+    CPU classes), from the GEMM method it set (vLLM's own CPU class), else its class name."""
+    path = getattr(kernel, INT8_PATH_ATTR, None)
+    if path is not None:
+        return PATH_GEMMS.get(path, path)
     method = getattr(kernel, "linear_method", None)
     if method is None:
         return type(kernel).__name__
-    if isinstance(method, functools.partial):
-        return {vllm_cpu_int8_saturation._apply_packed: "avx2_packed",
-                vllm_cpu_int8_saturation._apply_split: "onednn_split"}.get(method.func, getattr(method.func, "__name__", "?"))
     name = getattr(getattr(method, "__func__", method), "__name__", "")
     return {"_apply_weights_sgl": "amx_sgl", "_apply_weights_onednn": "onednn"}.get(name, name or type(kernel).__name__)
 

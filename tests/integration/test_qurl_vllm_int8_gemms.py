@@ -23,7 +23,8 @@ activation. A wrong, stale or mis-packed weight moves outputs by whole weight st
 Three engines: this CPU's own kernels in bf16 (on AMX with vLLM 0.32: the real sgl kernel; on other
 classes the GEMM their CPU gets), and vLLM's sgl choice forced on any CPU with the pure-torch stand-ins
 of ``qurl_testkit/sgl_stand_in.py``, in bf16 (the sgl path through every reload) and in fp32 (where the
-stock choice fails at the first generate and ``vllm_cpu_int8_fp32_onednn`` gives oneDNN instead).
+stock choice fails at the first generate and the AMX INT8 kernel class of ``cpu_int8_kernels`` gives oneDNN
+instead).
 """
 from __future__ import annotations
 
@@ -45,10 +46,10 @@ from qurl_testkit.reload_harness import (
     summary,
     sync_weights,
 )
-from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
 from qurl_verl.platform import cpu_int8_gemm
 from qurl_verl.platform.cpu_features import cpu_flags
 from qurl_verl.quant import quantize
+from qurl_verl.rollout import cpu_int8_paths
 from qurl_verl.rollout.int8_gemm_report import INT8_GEMMS
 from qurl_verl.settings import RolloutSettings
 
@@ -155,7 +156,7 @@ def host_int8_gemm() -> str:
     if "amx_int8" in flags and (not needs_opt_in or envs.VLLM_CPU_SGL_KERNEL):
         return "amx_sgl"
     if cpu_int8_gemm.cpu_int8_saturates(flags):
-        return "avx2_packed" if vllm_cpu_int8_saturation.avx2_kernel_available() else "onednn_split"
+        return "avx2_packed" if cpu_int8_paths.avx2_kernel_available() else "onednn_split"
     return "onednn"
 
 
@@ -196,7 +197,7 @@ def test_forced_amx_sgl_path_rebuilds_its_packed_weights_at_every_sync(tiny_mode
 
 def test_forced_amx_fp32_engine_runs_exact_onednn_int8(tiny_model_dir, sgl_opt_in):
     """An fp32 engine where vLLM would take the sgl path (stand-in ops, which refuse fp32 as the real op
-    does): ``vllm_cpu_int8_fp32_onednn`` gives every linear this CPU's oneDNN path instead, exact, and the
+    does): the AMX INT8 kernel class gives every linear this CPU's oneDNN path instead, exact, and the
     whole model tracks the W8A8 reference (the bounds of ``test_qurl_vllm_reload.py``)."""
     require_vllm()
     llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension=FORCED_AMX)

@@ -1,6 +1,7 @@
 """The vLLM-CPU work-arounds qurl_vllm installs: each one is needed here, and each one works.
 
-* ``vllm_cpu_int8_saturation``: checked on vLLM's own INT8 kernel object, against the float64
+* ``vllm_cpu_int8_kernels`` where oneDNN's int8 GEMM saturates: vLLM's own INT8 kernel object, and the
+  one vLLM's selector gives once the patch put the project's classes into its list, against the float64
   W8A8 reference (no engine; skipped on CPUs whose oneDNN int8 GEMM does not saturate).
 * ``vllm_cpu_onednn_scale_keepalive`` and ``vllm_cpu_tied_lm_head_refresh``: on a live engine
   with vLLM's stock CPU GEMM dispatch (``VERL_PLATFORM`` unset, so the plugin's weight-keeping
@@ -39,13 +40,18 @@ INT8 = RolloutSettings(format="int8")
 PARAM_NAMES = ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"]
 
 
-def _cpu_int8_linear(codes: torch.Tensor, scale: torch.Tensor):
-    """vLLM's CPU W8A8 kernel on a bare layer, configured as the compressed-tensors scheme we build."""
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+def _cpu_int8_linear(codes: torch.Tensor, scale: torch.Tensor, kernel_class=None):
+    """A CPU W8A8 kernel on a bare layer, configured as the compressed-tensors scheme we build: ``kernel_class``,
+    or (None) the class vLLM's selector gives the layer."""
+    from vllm.model_executor.kernels.linear import init_int8_linear_kernel
     from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
 
-    config = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
-    kernel = CPUInt8ScaledMMLinearKernel(config, PARAM_NAMES)
+    if kernel_class is None:
+        kernel = init_int8_linear_kernel(is_channelwise=True, is_static_input_scheme=False, input_symmetric=True,
+                                         module_name="test.linear")
+    else:
+        config = Int8ScaledMMLinearLayerConfig(is_static_input_scheme=False, is_channelwise=True, input_symmetric=True)
+        kernel = kernel_class(config, PARAM_NAMES)
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(codes.clone(), requires_grad=False)
     layer.weight_scale = torch.nn.Parameter(scale.clone(), requires_grad=False)
@@ -57,11 +63,14 @@ def _cpu_int8_linear(codes: torch.Tensor, scale: torch.Tensor):
 
 def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
     require_vllm()
+    from vllm.model_executor.kernels import linear
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    from vllm.platforms import PlatformEnum
 
-    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
+    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_kernels
     from qurl_verl.quant import quantize
     from qurl_verl.quant.matmul import w8a8_linear_reference
+    from qurl_verl.rollout.cpu_int8_kernels import SaturationFreeCPUInt8ScaledMMLinearKernel
 
     if not vllm_cpu_int8_saturates():
         pytest.skip("this CPU's oneDNN int8 GEMM does not saturate (VNNI/AMX): the patch stays off")
@@ -73,10 +82,11 @@ def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
     def rel_error(linear) -> float:
         return float((linear(x).double() - want).abs().max() / want.abs().max())
 
-    unpatched = rel_error(_cpu_int8_linear(qw.data, qw.scale))
-    monkeypatch.setattr(CPUInt8ScaledMMLinearKernel, "process_weights_for_onednn",
-                        CPUInt8ScaledMMLinearKernel.process_weights_for_onednn)  # restored after the test
-    assert vllm_cpu_int8_saturation.apply()
+    unpatched = rel_error(_cpu_int8_linear(qw.data, qw.scale, CPUInt8ScaledMMLinearKernel))
+    possible = linear._POSSIBLE_INT8_KERNELS
+    monkeypatch.setitem(possible, PlatformEnum.CPU, list(possible[PlatformEnum.CPU]))  # restored after the test
+    vllm_cpu_int8_kernels.apply()  # "" where this process applied it already
+    assert SaturationFreeCPUInt8ScaledMMLinearKernel in possible[PlatformEnum.CPU]
     patched = rel_error(_cpu_int8_linear(qw.data, qw.scale))
     print(f"\nint8 GEMM max error / max |out|: unpatched {unpatched:.3g}, patched {patched:.3g}")
     assert unpatched > 1e-2
@@ -84,9 +94,9 @@ def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
 
 
 def vllm_cpu_int8_saturates() -> bool:
-    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
+    from qurl_verl.rollout import cpu_int8_paths
 
-    return vllm_cpu_int8_saturation.onednn_int8_saturates()
+    return cpu_int8_paths.onednn_int8_saturates()
 
 
 @pytest.fixture(scope="module")

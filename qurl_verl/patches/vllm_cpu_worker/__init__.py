@@ -1,7 +1,8 @@
 """Applied by the `qurl_vllm` worker extension inside vLLM-CPU workers (some only on some CPU classes).
 
 Two lists: ``BEFORE_MODEL_LOAD`` once per worker process, before vLLM builds the model, in this
-order (each later wrapper of the INT8 kernel's post-processing goes around the earlier ones);
+order (the scale keep-alive wraps vLLM's INT8 oneDNN post-processing, which the project's CPU INT8
+kernels, put into vLLM's kernel list by ``vllm_cpu_int8_kernels``, call through);
 ``AFTER_RELOAD`` after every finalized weight reload (post-processing vLLM's layerwise reload
 leaves undone). Both do nothing on a vLLM platform other than CPU.
 """
@@ -16,8 +17,7 @@ if TYPE_CHECKING:
 
 BEFORE_MODEL_LOAD = (
     "vllm_cpu_onednn_scale_keepalive",
-    "vllm_cpu_int8_saturation",
-    "vllm_cpu_int8_fp32_onednn",
+    "vllm_cpu_int8_kernels",
     "vllm_cpu_fp8_block_bias",
     "vllm_cpu_moe_silu",
     "vllm_cpu_lora_device",
