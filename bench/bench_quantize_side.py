@@ -105,13 +105,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=str(bench_harness.RESULTS / "quantize_side.json"))
     args = parser.parse_args()
-    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
+    from qurl_verl.rollout import cpu_int8_paths
 
     report = {
         "environment": bench_harness.environment(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "torch_threads": torch.get_num_threads(),
-                    "onednn_int8_saturates": vllm_cpu_int8_saturation.onednn_int8_saturates()},
+                    "onednn_int8_saturates": cpu_int8_paths.onednn_int8_saturates()},
         "models": {},
     }
     with tempfile.TemporaryDirectory() as tmp:

@@ -121,14 +121,14 @@ def main() -> None:
     from verl.plugin.platform import platform_manager
 
     from qurl_testkit import reload_harness as harness
-    from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_saturation
+    from qurl_verl.rollout import cpu_int8_paths
     from qurl_verl.platform.cpu import PlatformCPU
 
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()
     budget = bench_harness.TimeBudget(args.budget_s)
     cpu_model, flags = cpu_model_and_flags()
-    saturates = vllm_cpu_int8_saturation.onednn_int8_saturates()
+    saturates = cpu_int8_paths.onednn_int8_saturates()
     report = {
         "args": {**vars(args), "out": os.path.relpath(args.out, REPO)},
         "environment": bench_harness.environment(),
@@ -141,7 +141,7 @@ def main() -> None:
                     "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()},
         "blocks": [],
         "notes": [
-            "This CPU's oneDNN int8 GEMM saturates (no VNNI), so patches/vllm_cpu_int8_saturation.py gives the "
+            "This CPU's oneDNN int8 GEMM saturates (no VNNI), so rollout/cpu_int8_paths.py gives the "
             "INT8 linears an exact GEMM: `int8` runs the packed AVX2 GEMM (qurl_verl/platform/"
             "cpu_int8_gemm_avx2.cpp, QURL_VERL_CPU_INT8_GEMM=auto), `int8_onednn` oneDNN's split (every INT8 "
             "GEMM as two 7-bit GEMMs, QURL_VERL_CPU_INT8_GEMM=onednn). Both compute the same W8A8 codes "
