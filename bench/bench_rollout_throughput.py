@@ -121,8 +121,8 @@ def main() -> None:
     from verl.plugin.platform import platform_manager
 
     from qurl_testkit import reload_harness as harness
-    from qurl_verl.rollout import cpu_int8_paths
     from qurl_verl.platform.cpu import PlatformCPU
+    from qurl_verl.rollout import cpu_int8_paths
 
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()

@@ -105,8 +105,8 @@ def gemm_check(shapes=((80, 1024, 1024), (80, 1024, 5632), (80, 2816, 1024))) ->
     ``qurl_verl.quant``'s codes, fp32 activations, the ~100M model's shapes (M tokens, K in, N out)."""
     from vllm import _custom_ops as ops
 
-    from qurl_verl.rollout.cpu_int8_paths import split_codes
     from qurl_verl.quant import quantize
+    from qurl_verl.rollout.cpu_int8_paths import split_codes
 
     g, rows = torch.Generator().manual_seed(0), []
     for m, k, n in shapes:
