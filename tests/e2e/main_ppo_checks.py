@@ -69,6 +69,18 @@ def int8_acr_uaq_run(r: RunResult) -> None:
     assert r.rows[-1]["actor/qurl/update/changed_code_frac"] > 0
 
 
+def async_mismatch_beside_staleness(r: RunResult) -> None:
+    """``trainer.v1.trainer_mode=colocate_async``: verl pauses the engine before each sync (on vLLM 0.32 through
+    the server's ``pause_generation`` keyword patch), the rollout of step 2 was generated before step 1's update
+    reached the engine, and the mismatch metrics sit beside verl's staleness of the same batch, which says how
+    much of them is staleness rather than quantization."""
+    assert "wait_for_inflight_requests" not in r.log
+    staleness = [row["training/off_policy/trajectory_staleness/max"] for row in r.rows]
+    assert staleness[0] == 0 and all(s >= 1 for s in staleness[1:]), staleness
+    for row in r.rows:
+        assert row["actor/qurl/sync/total_s"] > 0 and row["actor/qurl/kl_behav_prox_k1"] >= 0, row
+
+
 def kv_scales_streamed(r: RunResult) -> None:
     """FP8 KV cache: step 1 generates with vLLM's scale 1.0 (none streamed yet); every later sync carries the
     scales of both layers from the actor's training forwards, below 1 (the tiny model's K and V stay far below

@@ -15,6 +15,7 @@ checks to a run here before it adds a run (``tests/README.md``). Each run names 
 | ``lora_adapters`` | rank-8 adapters (``lora.merge=false``) | 0.32 | UAQ skipped with the reason; base synced once (quantized), then adapters only; the mismatch is small |
 | ``moe`` | the tiny Qwen3-MoE | 0.32 | INT8 attention, full-precision experts re-built every step; verl's own probability diff and the KL stay at INT8 scale |
 | ``moe_fp8_kv`` | the tiny Qwen3-MoE + FP8 KV cache | 0.24 | the MoE checks (the KL bound of an 8-bit run: the FP8 cache adds its own mismatch); the demo's checks (``int8_acr_uaq_run``: UAQ applied; every step re-quantizes, logs the mismatch, KL and ``w_max``, and the code-change rate, which is > 0); the KV scales: vLLM's 1.0 at step 1, the trainer's (both layers, below 1) after |
+| ``colocate_async`` | ``trainer.v1.trainer_mode=colocate_async`` | 0.32 | the demo's checks in verl's asynchronous colocated trainer: the engine paused and synced every step, the mismatch logged beside verl's staleness (0, then 1) |
 | ``two_ray_nodes`` | ``trainer.nnodes=2`` on a two-node Ray cluster | 0.32 | the CPU platform and metrics reach both nodes; both replicas hold the same codes, new at each sync, the whole masters' at step 1 |
 
 The FP8 KV cache runs only where vLLM-CPU has one (AVX-512 or AMX); elsewhere those runs go on without it
@@ -34,6 +35,7 @@ from main_ppo_checks import (
     FP8_KV,
     LORA,
     RunResult,
+    async_mismatch_beside_staleness,
     critic_trained,
     fp8_kv_cache_on_this_cpu,
     int8_acr_uaq_run,
@@ -113,6 +115,8 @@ RUNS = (
     Run("lora_adapters", overrides=LORA, checks=(lora_adapter_syncs,)),
     Run("moe", model=moe_model, checks=(moe_rollout,)),
     Run("moe_fp8_kv", model=moe_model, fp8_kv=True, stacks=("0.24",), checks=(moe_rollout, int8_acr_uaq_run, kv_scales_streamed)),
+    Run("colocate_async", overrides=("trainer.v1.trainer_mode=colocate_async",),
+        checks=(int8_acr_uaq_run, async_mismatch_beside_staleness)),
     Run("two_ray_nodes", ray_nodes=2, own_uaq_cache=True,
         overrides=("trainer.nnodes=2", "trainer.n_gpus_per_node=1", "ray_kwargs.ray_init.num_cpus=null",
                    "ray_kwargs.ray_init.num_gpus=null"),

@@ -234,7 +234,7 @@ def test_vllm_reads_deep_gemm_off_from_the_variable_the_server_sets(monkeypatch)
     ((10, 0), {"attention_config": {"backend": "flashinfer"}}, "refused"),
 ])
 def test_fp8_kv_cache_off_hopper_gets_an_attention_that_reads_device_scales(capability, engine_kwargs, expected):
-    from qurl_verl.settings import KVCacheFormat
+    from qurl_verl.settings.rollout import KVCacheFormat
 
     if expected == "refused":
         with pytest.raises(QurlConfigError, match=r"kv_cache=fp8 with attention_backend=.* host floats .* Remove the attention_backend"):

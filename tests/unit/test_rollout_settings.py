@@ -205,7 +205,7 @@ def test_tracker_memory_cap_defaults_to_256_mib_and_must_be_positive():
 
 
 def test_kv_cache_setting_reads_from_the_rollout_config_and_names_vllms_dtype():
-    from qurl_verl.settings import KVCacheFormat
+    from qurl_verl.settings.rollout import KVCacheFormat
 
     rollout = {"name": "qurl_vllm", "quantization": "int8", "custom": {"qurl": {"kv_cache": "FP8"}}}
     settings = RolloutSettings.from_rollout_config(rollout)
