@@ -45,7 +45,7 @@ from qurl_recipes.uaq_vs_lr import clip_grad_norm_as_uaq_, group_normalised_adva
 from qurl_verl.losses.acr import LOG_RATIO_BOUND, acr_token_loss
 from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
 from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
-from qurl_verl.quant import apply_uaq, int_format, quantize_linear_modules_
+from qurl_verl.quant import QuantScheme, apply_uaq, int_format, quantize_linear_modules_
 from qurl_verl.quant.kv_cache import FP8_KV_MAX, KVRangeObserver, quantize_dequantize_fp8, scale_from_amax
 from qurl_verl.quant.linear import W8A8Linear
 from qurl_verl.quant.uaq import DEFAULT_UAQ_SCALE, DEFAULT_UAQ_TARGETS
@@ -112,7 +112,7 @@ def build_rollout(model: nn.Module, variant: Variant, weight_bits: int) -> nn.Mo
     policy = _clone(model)
     if variant.rollout == "bf16":
         return policy.to(torch.bfloat16)
-    return quantize_linear_modules_(policy, fmt=int_format(weight_bits), fake=True)
+    return quantize_linear_modules_(policy, scheme=QuantScheme(int_format(weight_bits)), fake=True)
 
 
 def _clone(model: nn.Module) -> nn.Module:

@@ -46,11 +46,18 @@ if str(REPO) not in sys.path:
 
 from qurl_verl.losses.acr import acr_token_loss, log_weight_from_is_weights  # noqa: E402
 from qurl_verl.quant import (  # noqa: E402
+    FP8_BLOCK,
+    FP8_CHANNEL,
     FP8_E4M3,
+    FP8_GROUP,
+    FP8_TOKEN,
     INT8,
+    INT8_CHANNEL,
+    INT8_TOKEN,
     QuantizedTensor,
     UpdateVisibilityTracker,
     int8_matmul_accumulate,
+    parse_scheme,
     quantize,
     quantize_state_dict,
     w8a8_linear,
@@ -388,8 +395,8 @@ def compare_quantizers(ctx: Context, budget: Budget, res: dict) -> None:
                 for gran in granularities:
                     if budget.expired():
                         return
-                    q_cpu = quantize(x_cpu, fmt, gran)
-                    q_dev = quantize(x_dev, fmt, gran)
+                    q_cpu = quantize(x_cpu, parse_scheme(fmt, gran))
+                    q_dev = quantize(x_dev, parse_scheme(fmt, gran))
                     s_cpu, s_dev = q_cpu.scale, q_dev.scale.cpu()
                     rel = float(((s_dev.double() - s_cpu.double()).abs() / s_cpu.double()).max())
                     mism = code_mismatches(q_dev.data, q_cpu.data)
@@ -438,7 +445,7 @@ def int8_product(x: torch.Tensor, qw: QuantizedTensor, emulate_limit: bool) -> t
         except RuntimeError:
             if x.device.type != "cuda":
                 raise
-    qx = quantize(x, "int8", "token")
+    qx = quantize(x, INT8_TOKEN)
     rows = first_runnable_rows(
         x.shape[0], lambda r: checked_int_mm(padded_rows(qx.data, r), qw.data.t(), emulate_limit))
     acc = int8_matmul_accumulate(padded_rows(qx.data, rows), qw.data)[: x.shape[0]]
@@ -451,7 +458,7 @@ def fp8_product(x: torch.Tensor, qw: QuantizedTensor) -> tuple[torch.Tensor, str
         return w8a8_linear(x, qw, out_dtype=torch.float32), "w8a8_linear (fp8_scaled_matmul, float32 out)"
     except (RuntimeError, ValueError) as exc:
         first_error = f"{type(exc).__name__}: {exc}"[:300]
-    qx = quantize(x, "fp8", "token")
+    qx = quantize(x, FP8_TOKEN)
     out = torch._scaled_mm(qx.data.contiguous(), qw.data.t(), scale_a=qx.scale.reshape(-1, 1).contiguous(),
                            scale_b=qw.scale.reshape(1, -1).contiguous(), out_dtype=torch.bfloat16)
     return out.float(), f"_scaled_mm bfloat16 out (float32 out failed: {first_error})"
@@ -476,7 +483,7 @@ def check_products(ctx: Context, budget: Budget, res: dict) -> None:
     for layer, (n, k) in fused_linear_shapes(spec).items():
         w = random_weight((n, k), ctx.device, torch.bfloat16, gen)
         for fmt in ("int8", "fp8"):
-            qw = quantize(w, fmt, "channel")
+            qw = quantize(w, parse_scheme(fmt, "channel"))
             for m in ms:
                 if budget.expired():
                     return
@@ -487,7 +494,7 @@ def check_products(ctx: Context, budget: Budget, res: dict) -> None:
                         out, path = int8_product(x, qw, ctx.emulate_int_mm_limit)
                     else:
                         out, path = fp8_product(x, qw)
-                    ref, abs_sum = exact_reference(quantize(x, fmt, "token"), qw)
+                    ref, abs_sum = exact_reference(quantize(x, parse_scheme(fmt, "token")), qw)
                     row.update(path=path, **product_errors(out, ref, abs_sum))
                     if fmt == "int8":
                         row["within_bound"] = row["max_rel_err"] <= INT8_REL_BOUND and row["zero_ref_nonzero_out"] == 0
@@ -500,14 +507,14 @@ def check_products(ctx: Context, budget: Budget, res: dict) -> None:
     # FP8 128x128 blocks through the project's block loop, against the project's float64 reference.
     n, k = fused_linear_shapes(spec)["down"]
     w = random_weight((n, k), ctx.device, torch.bfloat16, gen)
-    qw = quantize(w, "fp8", "block")
+    qw = quantize(w, FP8_BLOCK)
     m = ms[-1]
     x = torch.randn(m, k, device=ctx.device, dtype=torch.bfloat16, generator=gen)
     row = dict(layer="down", n=n, k=k, m=m, fmt="fp8_block")
     try:
         out = w8a8_linear(x, qw, out_dtype=torch.float32)
         ref = w8a8_linear_reference(x, qw)
-        qx = quantize(x, "fp8", "group")
+        qx = quantize(x, FP8_GROUP)
         abs_sum = qx.dequantize(torch.float64).abs() @ qw.dequantize(torch.float64).abs().t()
         row.update(path="w8a8_linear (block loop)", **product_errors(out, ref, abs_sum))
         bound = (k + 3 * math.ceil(k / 128)) * U32  # per-block accumulation, 2 scalings, 1 add per block
@@ -557,7 +564,7 @@ def time_layer(ctx: Context, n: int, k: int, ms, gen, target_bytes: int, budget:
     iters = max(copies, 4) if ctx.cuda else 2
     reps = 10 if ctx.cuda else 3
     w = random_weight((n, k), ctx.device, torch.bfloat16, gen)
-    q8, qf = quantize(w, "int8", "channel"), quantize(w, "fp8", "channel")
+    q8, qf = quantize(w, INT8_CHANNEL), quantize(w, FP8_CHANNEL)
     w_bf16 = [w] + [w.clone() for _ in range(copies - 1)]
     w_int8_t = [q8.data.t()] + [q8.data.clone().t() for _ in range(copies - 1)]  # [K, N] column-major
     w_fp8_t = [qf.data.t()] + [qf.data.clone().t() for _ in range(copies - 1)]
@@ -571,7 +578,7 @@ def time_layer(ctx: Context, n: int, k: int, ms, gen, target_bytes: int, budget:
         errors = {}
         for fmt in (INT8, FP8_E4M3):  # the graph-capturable activation quantizer must be quantize()'s
             codes, scale = quantize_rows(x, fmt)
-            ref = quantize(x, fmt, "token")
+            ref = quantize(x, parse_scheme(fmt, "token"))
             counters["act_quant_code_mismatches"] += code_mismatches(codes, ref.data)
             counters["act_quant_scale_mismatches"] += int((scale != ref.scale).sum())
             counters["act_quant_checked"] += 1
@@ -731,7 +738,7 @@ def quantize_layers_ms(ctx: Context, layers: list[dict[str, torch.Tensor]], fmt:
 
     def run():
         for named in layers:
-            out = list(quantize_state_dict(named.items(), fmt, gran))
+            out = list(quantize_state_dict(named.items(), parse_scheme(fmt, gran)))
             del out
 
     return wall_ms(ctx, run, reps)
@@ -740,8 +747,8 @@ def quantize_layers_ms(ctx: Context, layers: list[dict[str, torch.Tensor]], fmt:
 def tracker_cost(ctx: Context, layers: list[dict[str, torch.Tensor]], row_stride: int) -> dict:
     """Two syncs through an INT8 channel tracker, fed the sync's own codes as the rollout worker does."""
     named = [(name, w) for layer in layers for name, w in layer.items()]
-    q_first = [quantize(w, "int8", "channel") for _, w in named]
-    tracker = UpdateVisibilityTracker("int8", "channel", row_stride=row_stride)
+    q_first = [quantize(w, INT8_CHANNEL) for _, w in named]
+    tracker = UpdateVisibilityTracker(INT8_CHANNEL, row_stride=row_stride)
 
     def observe_all(weights, quantized) -> float:
         ctx.sync()
@@ -758,7 +765,7 @@ def tracker_cost(ctx: Context, layers: list[dict[str, torch.Tensor]], row_stride
     gen = torch.Generator(device=ctx.device).manual_seed(5)
     updated = [w + 1e-4 * torch.randn(w.shape, device=w.device, dtype=torch.float32, generator=gen).to(w.dtype)
                for _, w in named]
-    q_second = [quantize(w, "int8", "channel") for w in updated]
+    q_second = [quantize(w, INT8_CHANNEL) for w in updated]
     second_ms = observe_all(updated, q_second)
     start = time.perf_counter()
     summary = tracker.end_step()

@@ -185,11 +185,11 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         tracker = self._qurl_tracker
         if not settings.quantized or row_stride <= 0:
             self._qurl_tracker = None
-        elif tracker is None or (tracker.fmt.name, tracker.row_stride, tracker.max_resident_bytes) != (
-            settings.quant_format, row_stride, max_bytes
+        elif tracker is None or (tracker.scheme, tracker.row_stride, tracker.max_resident_bytes) != (
+            settings.quant_scheme, row_stride, max_bytes
         ):
             self._qurl_tracker = UpdateVisibilityTracker(
-                settings.quant_format, settings.format.granularity, ignore=settings.ignore_patterns,
+                settings.quant_scheme, ignore=settings.ignore_patterns,
                 row_stride=row_stride, storage_device="cpu", max_resident_bytes=max_bytes,
             )
         return self._qurl_tracker

@@ -227,7 +227,7 @@ def test_pure_layer_runs_with_verl_and_vllm_blocked():
         import qurl_verl.losses.acr as acr
         from qurl_verl import quant, settings
         w = torch.randn(16, 32)
-        q = quant.quantize(w, "int8", "channel")
+        q = quant.quantize(w, quant.INT8_CHANNEL)
         assert (q.data.to(torch.float32) * q.scale - w).abs().max() <= q.scale.max() / 2 + 1e-6
         assert settings.RolloutSettings().quantization_config()["ignore"][0] == "lm_head"
         print("PURE OK", sorted(m for m in sys.modules if m.split(".")[0] in ("verl", "vllm") and sys.modules[m]))
