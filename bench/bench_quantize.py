@@ -139,8 +139,9 @@ def time_quantization(layers: int, repeats: int, threads: int) -> dict:
         by_dtype = {dtype: layer_weights(layer, dtype) for dtype in {c[2] for c in CASES}}
         numel += sum(w.numel() for w in by_dtype[torch.float32].values())
         for i, (fmt, gran, dtype, _) in enumerate(CASES):
+            scheme = parse_scheme(fmt, gran)
             for name, w in by_dtype[dtype].items():
-                samples = timed(lambda: quantize(w, parse_scheme(fmt, gran), name=name), repeats)
+                samples = timed(lambda: quantize(w, scheme, name=name), repeats)
                 best[i] += min(samples)
                 typical[i] += statistics.median(samples)
         # One RL step seen by the update-visibility tracker (int8 channel, fp32 masters, |dW| = 1e-4).

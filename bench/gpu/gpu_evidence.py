@@ -736,9 +736,11 @@ def tensor_bytes_held(obj) -> tuple[int, int]:
 def quantize_layers_ms(ctx: Context, layers: list[dict[str, torch.Tensor]], fmt: str, gran: str, reps: int) -> float:
     """Median ms to run one sync's quantize work over ``layers``: quantize_state_dict, outputs held per layer."""
 
+    scheme = parse_scheme(fmt, gran)
+
     def run():
         for named in layers:
-            out = list(quantize_state_dict(named.items(), parse_scheme(fmt, gran)))
+            out = list(quantize_state_dict(named.items(), scheme))
             del out
 
     return wall_ms(ctx, run, reps)
