@@ -26,6 +26,7 @@ import platform
 import bench_harness
 import torch
 
+from qurl_verl.quant import FP8_BLOCK
 from qurl_verl.quant.quantizer import quantize
 
 SHAPES = {  # Qwen2.5-0.5B, one decoder layer: [out, in]
@@ -56,7 +57,7 @@ def measure(name, shape, requant) -> dict:
     torch.manual_seed(sum(map(ord, name)))
     w = synthetic_weight(shape)
     update = STEP * w.std() * torch.sign(torch.randn(shape))
-    q0, q1 = quantize(w, "fp8", "block"), quantize(w + update, "fp8", "block")
+    q0, q1 = quantize(w, FP8_BLOCK), quantize(w + update, FP8_BLOCK)
     e0, e1 = engine_codes(q0, requant), engine_codes(q1, requant)
     b = q0.block_size
     norm = w.norm()

@@ -23,7 +23,15 @@ import bench_harness
 import torch
 
 from qurl_verl.platform.cpu_features import cpu_model_and_flags
-from qurl_verl.quant import UpdateStats, UpdateVisibilityTracker, apply_uaq, quantize, update_visibility
+from qurl_verl.quant import (
+    INT8_CHANNEL,
+    UpdateStats,
+    UpdateVisibilityTracker,
+    apply_uaq,
+    parse_scheme,
+    quantize,
+    update_visibility,
+)
 
 # Qwen2-0.5B: hidden 896, intermediate 4864, 14 heads / 2 KV heads (head_dim 64), 24 layers.
 HIDDEN, INTERMEDIATE, KV = 896, 4864, 2 * 64
@@ -96,7 +104,7 @@ def uaq_one_step(scale: float = 1.5) -> list[dict]:
                 model(ids, labels=ids).loss.backward()
                 opt.step()
                 after = {n: p.detach() for n, p in model.named_parameters()}
-                stats[label] = {f: update_visibility(before, after, f, "channel", targets=qkv)["overall"]
+                stats[label] = {f: update_visibility(before, after, parse_scheme(f, "channel"), targets=qkv)["overall"]
                                 for f in ("int8", "fp8")}
             for fmt in ("int8", "fp8"):
                 b, u = stats["base"][fmt], stats["uaq"][fmt]
@@ -115,7 +123,7 @@ def uaq_one_step(scale: float = 1.5) -> list[dict]:
 def time_quantization(layers: int, repeats: int, threads: int) -> dict:
     """Quantize every linear weight of the model once per case; also one tracker step per tensor."""
     torch.set_num_threads(threads)
-    quantize(torch.randn(256, 256), "int8", "channel")  # warm-up
+    quantize(torch.randn(256, 256), INT8_CHANNEL)  # warm-up
     load_before = bench_harness.loadavg()
     best = [0.0] * len(CASES)  # sum over tensors of the fastest run
     typical = [0.0] * len(CASES)  # sum over tensors of the median run
@@ -126,13 +134,14 @@ def time_quantization(layers: int, repeats: int, threads: int) -> dict:
         by_dtype = {dtype: layer_weights(layer, dtype) for dtype in {c[2] for c in CASES}}
         numel += sum(w.numel() for w in by_dtype[torch.float32].values())
         for i, (fmt, gran, dtype, _) in enumerate(CASES):
+            scheme = parse_scheme(fmt, gran)
             for name, w in by_dtype[dtype].items():
-                samples = timed(lambda: quantize(w, fmt, gran, name=name), repeats)
+                samples = timed(lambda: quantize(w, scheme, name=name), repeats)
                 best[i] += min(samples)
                 typical[i] += statistics.median(samples)
         # One RL step seen by the update-visibility tracker (int8 channel, fp32 masters, |dW| = 1e-4).
         prev, new = by_dtype[torch.float32], layer_weights(layer, torch.float32, delta=1e-4)
-        tracker = UpdateVisibilityTracker("int8", "channel")
+        tracker = UpdateVisibilityTracker(INT8_CHANNEL)
         for name in new:
             samples = []
             for _ in range(repeats):

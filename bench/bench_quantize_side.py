@@ -52,7 +52,7 @@ def bench_model(name: str, model_dir: Path, reps: int) -> dict:
 
     from qurl_testkit import reload_harness as harness
     from qurl_verl.platform.cpu import PlatformCPU
-    from qurl_verl.quant import quantize_state_dict
+    from qurl_verl.quant import INT8_CHANNEL, quantize_state_dict
     from qurl_verl.settings import RolloutSettings
 
     settings = RolloutSettings(format="int8")
@@ -60,7 +60,7 @@ def bench_model(name: str, model_dir: Path, reps: int) -> dict:
     n_params = sum(t.numel() for n, t in trainer.master.items() if n != "lm_head.weight")
 
     def trainer_quantized():
-        return list(quantize_state_dict(trainer.master.items(), "int8", "channel", ignore=settings.ignore_patterns))
+        return list(quantize_state_dict(trainer.master.items(), INT8_CHANNEL, ignore=settings.ignore_patterns))
 
     q_times = []
     for _ in range(reps):

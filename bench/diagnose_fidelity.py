@@ -73,7 +73,7 @@ def hf_models(model_dir: Path, master: dict):
         s = RolloutSettings(format=fmt)
         m = load(dtype, eps)
         # codes from the fp32 masters, exactly what the engine's sync quantizes
-        quantize_linear_modules_(m, s.quant_format, s.format.granularity, ignore=s.ignore_patterns, fake=fake)
+        quantize_linear_modules_(m, s.quant_scheme, ignore=s.ignore_patterns, fake=fake)
         for mod_name, module in m.named_modules():
             if hasattr(module, "load_weight_"):
                 module.load_weight_(master[f"{mod_name}.weight"], name=mod_name)
@@ -105,13 +105,13 @@ def gemm_check(shapes=((80, 1024, 1024), (80, 1024, 5632), (80, 2816, 1024))) ->
     ``qurl_verl.quant``'s codes, fp32 activations, the ~100M model's shapes (M tokens, K in, N out)."""
     from vllm import _custom_ops as ops
 
-    from qurl_verl.quant import quantize
+    from qurl_verl.quant import INT8_CHANNEL, INT8_TOKEN, quantize
     from qurl_verl.rollout.cpu_int8_paths import split_codes
 
     g, rows = torch.Generator().manual_seed(0), []
     for m, k, n in shapes:
         x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
-        qw, qx = quantize(w, "int8", "channel"), quantize(x, "int8", "token")
+        qw, qx = quantize(w, INT8_CHANNEL), quantize(x, INT8_TOKEN)
         # the handler keeps pointing at the scale tensor (see patches/vllm_cpu_onednn_scale_keepalive.py): keep both alive
         split, split_scale = split_codes(qw.data), torch.cat([qw.scale, qw.scale]).contiguous()
         handler = ops.create_onednn_scaled_mm(split.t(), split_scale, torch.float32, True, False, 32)

@@ -13,7 +13,7 @@ from qurl_recipes.rewards.chain_arithmetic import final_answer
 from qurl_recipes.study_fp8_kv import FP8KVCache, attention_hook
 from qurl_recipes.study_settings import Variant
 from qurl_verl.losses.acr import LOG_RATIO_BOUND
-from qurl_verl.quant import int_format, quantize_linear_modules_
+from qurl_verl.quant import QuantScheme, int_format, quantize_linear_modules_
 from qurl_verl.quant.linear import W8A8Linear
 from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
 from qurl_verl.quant.update_visibility import changed_code_count
@@ -24,7 +24,7 @@ def build_rollout(model: nn.Module, variant: Variant, weight_bits: int) -> nn.Mo
     policy = _clone(model)
     if variant.rollout == "bf16":
         return policy.to(torch.bfloat16)
-    return quantize_linear_modules_(policy, fmt=int_format(weight_bits), fake=True)
+    return quantize_linear_modules_(policy, scheme=QuantScheme(int_format(weight_bits)), fake=True)
 
 
 def _clone(model: nn.Module) -> nn.Module:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qurl_verl.losses.acr import acr_token_loss
-from qurl_verl.quant import apply_uaq, int_format, quantize, quantize_linear_modules_
+from qurl_verl.quant import QuantScheme, apply_uaq, int_format, quantize, quantize_linear_modules_
 from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS, NORM_GROUPS, resolve_uaq_targets
 
 # reward_fn(prompt_ids [N, Lp], response_ids [N, L]) -> rewards [N]; rows are grouped by prompt.
@@ -123,7 +123,7 @@ def undo_uaq(model: nn.Module, scale: float, targets: Iterable[str] = DEFAULT_UA
 
 def quantized_rollout_copy(model: nn.Module, bits: int = 8) -> nn.Module:
     """The W{bits}A8 rollout policy built from the current weights (fake-quantized, as the engine sees them)."""
-    return quantize_linear_modules_(copy.deepcopy(model), fmt=int_format(bits), fake=True)
+    return quantize_linear_modules_(copy.deepcopy(model), scheme=QuantScheme(int_format(bits)), fake=True)
 
 
 @torch.no_grad()
@@ -203,13 +203,13 @@ def changed_code_fraction(before: nn.Module, after: nn.Module, bits: int,
 
     ``before`` is a rollout copy (its W8A8Linear buffers hold the codes), ``after`` the fp32 model.
     """
-    fmt = int_format(bits)
+    scheme = QuantScheme(int_format(bits))
     changed = total = 0
     for name, param in after.named_parameters():
         if "layers." not in name or not name.endswith(tuple(f".{t}.weight" for t in targets)):
             continue
         old_codes = before.get_submodule(name[: -len(".weight")]).weight
-        new_codes = quantize(param.detach(), fmt, "channel").data
+        new_codes = quantize(param.detach(), scheme).data
         changed += int((old_codes != new_codes).sum())
         total += old_codes.numel()
     return changed / max(total, 1)

@@ -246,7 +246,7 @@ def reference_model(model_dir: Path, master: dict[str, torch.Tensor], settings, 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
     model.load_state_dict({k: v.to(dtype) for k, v in master.items()})
     if settings.quantized:
-        quantize_linear_modules_(model, settings.quant_format, settings.format.granularity, ignore=settings.ignore_patterns)
+        quantize_linear_modules_(model, settings.quant_scheme, ignore=settings.ignore_patterns)
         for name, module in model.named_modules():
             if isinstance(module, W8A8Linear):
                 module.load_weight_(master[f"{name}.weight"], name=f"{name}.weight")

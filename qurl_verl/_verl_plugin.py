@@ -46,9 +46,10 @@ def _cpu_platform() -> str:
 
 
 def _config_checks() -> str:
+    from qurl_verl.driver import ensure_prepared, on_validate_config
     from qurl_verl.patches import always
 
-    return describe(always.apply_all())
+    return describe(always.apply_all(check=on_validate_config, prepare=ensure_prepared))
 
 
 def _losses() -> None:

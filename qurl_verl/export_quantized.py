@@ -3,7 +3,7 @@
 Reads a trained HF checkpoint's safetensors files directly (no model instantiation, no hub
 access) and quantizes its targeted linears with the weight stream's own code path:
 ``quantize_state_dict`` with ``RolloutSettings.ignore_patterns`` (lm_head and embeddings stay in
-full precision), in ``RolloutSettings.quant_format`` (``weight_bits`` included). config.json gets
+full precision), in ``RolloutSettings.quant_scheme`` (``weight_bits`` included). config.json gets
 ``quantization_config = RolloutSettings.quantization_config()``, the config the rollout engine
 is built with, so vLLM loads exactly the codes and scales a qurl sync of the same weights puts
 into a live engine. Every other tensor keeps its dtype and shard; every other file (tokenizer,
@@ -63,7 +63,7 @@ def export_quantized_checkpoint(model_dir: str | Path, out_dir: str | Path, form
     files, index = weight_files(model_dir)
 
     quant_config = settings.quantization_config()
-    fmt, granularity, patterns = settings.quant_format, settings.format.granularity, settings.ignore_patterns
+    scheme, patterns = settings.quant_scheme, settings.ignore_patterns
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
@@ -74,7 +74,7 @@ def export_quantized_checkpoint(model_dir: str | Path, out_dir: str | Path, form
             with safe_open(str(model_dir / fname), framework="pt") as f:
                 metadata = f.metadata() or {"format": "pt"}
                 tensors = ((k, f.get_tensor(k)) for k in f.keys())
-                shard = {k: v.contiguous() for k, v in quantize_state_dict(tensors, fmt, granularity, ignore=patterns)}
+                shard = {k: v.contiguous() for k, v in quantize_state_dict(tensors, scheme, ignore=patterns)}
             save_file(shard, str(partial / fname), metadata=metadata)
             weight_map.update(dict.fromkeys(shard, fname))
             total += sum(t.numel() * t.element_size() for t in shard.values())

@@ -66,7 +66,7 @@ def quantize_rows(x: torch.Tensor, fmt) -> tuple[torch.Tensor, torch.Tensor]:
 
     The check reads a value back to the host, which CUDA graphs cannot capture and vLLM's fused
     activation kernel does not do. ``w8a8_decode`` counts code and scale mismatches against
-    ``quantize(x, fmt, "token")`` on every activation it times.
+    ``quantize(x, parse_scheme(fmt, "token"))`` on every activation it times.
     """
     amax = torch.maximum(x.amax(dim=-1, keepdim=True), x.amin(dim=-1, keepdim=True).neg()).to(torch.float32)
     scale = (amax / fmt.qmax).clamp_min(MIN_SCALE)

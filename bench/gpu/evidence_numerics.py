@@ -20,8 +20,13 @@ from evidence_kernels import (
 from evidence_run_control import Budget, Context
 
 from qurl_verl.quant import (
+    FP8_BLOCK,
+    FP8_GROUP,
+    FP8_TOKEN,
+    INT8_TOKEN,
     QuantizedTensor,
     int8_matmul_accumulate,
+    parse_scheme,
     quantize,
     w8a8_linear,
     w8a8_linear_reference,
@@ -57,8 +62,8 @@ def compare_quantizers(ctx: Context, budget: Budget, res: dict) -> None:
                 for gran in granularities:
                     if budget.expired():
                         return
-                    q_cpu = quantize(x_cpu, fmt, gran)
-                    q_dev = quantize(x_dev, fmt, gran)
+                    q_cpu = quantize(x_cpu, parse_scheme(fmt, gran))
+                    q_dev = quantize(x_dev, parse_scheme(fmt, gran))
                     s_cpu, s_dev = q_cpu.scale, q_dev.scale.cpu()
                     rel = float(((s_dev.double() - s_cpu.double()).abs() / s_cpu.double()).max())
                     mism = code_mismatches(q_dev.data, q_cpu.data)
@@ -107,7 +112,7 @@ def int8_product(x: torch.Tensor, qw: QuantizedTensor, emulate_limit: bool) -> t
         except RuntimeError:
             if x.device.type != "cuda":
                 raise
-    qx = quantize(x, "int8", "token")
+    qx = quantize(x, INT8_TOKEN)
     rows = first_runnable_rows(
         x.shape[0], lambda r: checked_int_mm(padded_rows(qx.data, r), qw.data.t(), emulate_limit))
     acc = int8_matmul_accumulate(padded_rows(qx.data, rows), qw.data)[: x.shape[0]]
@@ -120,7 +125,7 @@ def fp8_product(x: torch.Tensor, qw: QuantizedTensor) -> tuple[torch.Tensor, str
         return w8a8_linear(x, qw, out_dtype=torch.float32), "w8a8_linear (fp8_scaled_matmul, float32 out)"
     except (RuntimeError, ValueError) as exc:
         first_error = f"{type(exc).__name__}: {exc}"[:300]
-    qx = quantize(x, "fp8", "token")
+    qx = quantize(x, FP8_TOKEN)
     out = torch._scaled_mm(qx.data.contiguous(), qw.data.t(), scale_a=qx.scale.reshape(-1, 1).contiguous(),
                            scale_b=qw.scale.reshape(1, -1).contiguous(), out_dtype=torch.bfloat16)
     return out.float(), f"_scaled_mm bfloat16 out (float32 out failed: {first_error})"
@@ -145,7 +150,7 @@ def check_products(ctx: Context, budget: Budget, res: dict) -> None:
     for layer, (n, k) in fused_linear_shapes(spec).items():
         w = random_weight((n, k), ctx.device, torch.bfloat16, gen)
         for fmt in ("int8", "fp8"):
-            qw = quantize(w, fmt, "channel")
+            qw = quantize(w, parse_scheme(fmt, "channel"))
             for m in ms:
                 if budget.expired():
                     return
@@ -156,7 +161,7 @@ def check_products(ctx: Context, budget: Budget, res: dict) -> None:
                         out, path = int8_product(x, qw, ctx.emulate_int_mm_limit)
                     else:
                         out, path = fp8_product(x, qw)
-                    ref, abs_sum = exact_reference(quantize(x, fmt, "token"), qw)
+                    ref, abs_sum = exact_reference(quantize(x, parse_scheme(fmt, "token")), qw)
                     row.update(path=path, **product_errors(out, ref, abs_sum))
                     if fmt == "int8":
                         row["within_bound"] = row["max_rel_err"] <= INT8_REL_BOUND and row["zero_ref_nonzero_out"] == 0
@@ -169,14 +174,14 @@ def check_products(ctx: Context, budget: Budget, res: dict) -> None:
     # FP8 128x128 blocks through the project's block loop, against the project's float64 reference.
     n, k = fused_linear_shapes(spec)["down"]
     w = random_weight((n, k), ctx.device, torch.bfloat16, gen)
-    qw = quantize(w, "fp8", "block")
+    qw = quantize(w, FP8_BLOCK)
     m = ms[-1]
     x = torch.randn(m, k, device=ctx.device, dtype=torch.bfloat16, generator=gen)
     row = dict(layer="down", n=n, k=k, m=m, fmt="fp8_block")
     try:
         out = w8a8_linear(x, qw, out_dtype=torch.float32)
         ref = w8a8_linear_reference(x, qw)
-        qx = quantize(x, "fp8", "group")
+        qx = quantize(x, FP8_GROUP)
         abs_sum = qx.dequantize(torch.float64).abs() @ qw.dequantize(torch.float64).abs().t()
         row.update(path="w8a8_linear (block loop)", **product_errors(out, ref, abs_sum))
         bound = (k + 3 * math.ceil(k / 128)) * U32  # per-block accumulation, 2 scalings, 1 add per block

@@ -8,7 +8,9 @@ from evidence_kernels import QWEN25, TOY, hf_linear_shapes, random_weight, wall_
 from evidence_run_control import Budget, Context
 
 from qurl_verl.quant import (
+    INT8_CHANNEL,
     UpdateVisibilityTracker,
+    parse_scheme,
     quantize,
     quantize_state_dict,
 )
@@ -56,10 +58,11 @@ def tensor_bytes_held(obj) -> tuple[int, int]:
 
 def quantize_layers_ms(ctx: Context, layers: list[dict[str, torch.Tensor]], fmt: str, gran: str, reps: int) -> float:
     """Median ms to run one sync's quantize work over ``layers``: quantize_state_dict, outputs held per layer."""
+    scheme = parse_scheme(fmt, gran)  # parsed once, outside the timed calls
 
     def run():
         for named in layers:
-            out = list(quantize_state_dict(named.items(), fmt, gran))
+            out = list(quantize_state_dict(named.items(), scheme))
             del out
 
     return wall_ms(ctx, run, reps)
@@ -68,8 +71,8 @@ def quantize_layers_ms(ctx: Context, layers: list[dict[str, torch.Tensor]], fmt:
 def tracker_cost(ctx: Context, layers: list[dict[str, torch.Tensor]], row_stride: int) -> dict:
     """Two syncs through an INT8 channel tracker, fed the sync's own codes as the rollout worker does."""
     named = [(name, w) for layer in layers for name, w in layer.items()]
-    q_first = [quantize(w, "int8", "channel") for _, w in named]
-    tracker = UpdateVisibilityTracker("int8", "channel", row_stride=row_stride)
+    q_first = [quantize(w, INT8_CHANNEL) for _, w in named]
+    tracker = UpdateVisibilityTracker(INT8_CHANNEL, row_stride=row_stride)
 
     def observe_all(weights, quantized) -> float:
         ctx.sync()
@@ -86,7 +89,7 @@ def tracker_cost(ctx: Context, layers: list[dict[str, torch.Tensor]], row_stride
     gen = torch.Generator(device=ctx.device).manual_seed(5)
     updated = [w + 1e-4 * torch.randn(w.shape, device=w.device, dtype=torch.float32, generator=gen).to(w.dtype)
                for _, w in named]
-    q_second = [quantize(w, "int8", "channel") for w in updated]
+    q_second = [quantize(w, INT8_CHANNEL) for w in updated]
     second_ms = observe_all(updated, q_second)
     start = time.perf_counter()
     summary = tracker.end_step()

@@ -19,8 +19,11 @@ from evidence_kernels import (
 from evidence_run_control import Budget, Context
 
 from qurl_verl.quant import (
+    FP8_CHANNEL,
     FP8_E4M3,
     INT8,
+    INT8_CHANNEL,
+    parse_scheme,
     quantize,
 )
 
@@ -50,7 +53,7 @@ def time_layer(ctx: Context, n: int, k: int, ms, gen, target_bytes: int, budget:
     iters = max(copies, 4) if ctx.cuda else 2
     reps = 10 if ctx.cuda else 3
     w = random_weight((n, k), ctx.device, torch.bfloat16, gen)
-    q8, qf = quantize(w, "int8", "channel"), quantize(w, "fp8", "channel")
+    q8, qf = quantize(w, INT8_CHANNEL), quantize(w, FP8_CHANNEL)
     w_bf16 = [w] + [w.clone() for _ in range(copies - 1)]
     w_int8_t = [q8.data.t()] + [q8.data.clone().t() for _ in range(copies - 1)]  # [K, N] column-major
     w_fp8_t = [qf.data.t()] + [qf.data.clone().t() for _ in range(copies - 1)]
@@ -64,7 +67,7 @@ def time_layer(ctx: Context, n: int, k: int, ms, gen, target_bytes: int, budget:
         errors = {}
         for fmt in (INT8, FP8_E4M3):  # the graph-capturable activation quantizer must be quantize()'s
             codes, scale = quantize_rows(x, fmt)
-            ref = quantize(x, fmt, "token")
+            ref = quantize(x, parse_scheme(fmt, "token"))
             counters["act_quant_code_mismatches"] += code_mismatches(codes, ref.data)
             counters["act_quant_scale_mismatches"] += int((scale != ref.scale).sum())
             counters["act_quant_checked"] += 1

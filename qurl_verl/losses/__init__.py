@@ -2,5 +2,6 @@
 
 ``acr``: the pure-torch math (no verl import). ``verl_losses``: ``loss_mode=qurl_acr`` /
 ``qurl_tis``, registered with verl's decorator when the plugin imports the module. ``config``:
-the verl config dataclass that carries the loss settings to the workers.
+the earlier name of the verl config dataclass that carries the loss settings to the workers
+(``qurl_verl.settings.loss_config``).
 """

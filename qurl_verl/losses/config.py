@@ -1,28 +1,12 @@
-"""The verl policy-loss config of the qurl losses, selected with
+"""The qurl losses' verl config under the name earlier configs give as their ``_target_``,
 
     actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig
 
-(the quantized presets set it). verl builds it in the driver and in every actor worker; the
-fields, defaults and checks are those of ``qurl_verl.settings.LossSettings``.
+the same class as ``qurl_verl.settings.loss_config.QurlPolicyLossConfig`` (where it lives, beside the
+settings it checks), so a config naming either target builds the same object and passes the same checks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from qurl_verl.settings.loss_config import QurlPolicyLossConfig
 
-from verl.workers.config import PolicyLossConfig
-
-from qurl_verl.settings import DEFAULT_IS_CAP, LossSettings
-
-
-@dataclass
-class QurlPolicyLossConfig(PolicyLossConfig):
-    """verl's policy-loss config plus ``is_cap`` (C) and ``acr_upper_cap`` (see ``LossSettings``)."""
-
-    is_cap: float = DEFAULT_IS_CAP
-    acr_upper_cap: float | None = None
-
-    def __post_init__(self):
-        parent = getattr(super(), "__post_init__", None)
-        if parent is not None:
-            parent()
-        LossSettings(is_cap=self.is_cap, acr_upper_cap=self.acr_upper_cap).check()
+__all__ = ["QurlPolicyLossConfig"]

@@ -51,7 +51,7 @@ def _policy_loss(
     if is_cap is None:
         raise ValueError(
             f"loss_mode={name}: actor.policy_loss has no is_cap; set "
-            "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig"
+            "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.settings.loss_config.QurlPolicyLossConfig"
         )
     clip_ratio = config.clip_ratio
     clip_low = config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio

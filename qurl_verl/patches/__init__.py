@@ -2,7 +2,7 @@
 
 | group | applied | by | entry |
 |---|---|---|---|
-| ``always`` | in every process that imports verl; acts only on configs that use qurl-verl | the plugin | ``always.apply_all()`` |
+| ``always`` | in every process that imports verl; acts only on configs that use qurl-verl | the plugin | ``always.apply_all(check, prepare)`` |
 | ``cpu_platform`` | only with ``VERL_PLATFORM=cpu`` | the plugin | ``cpu_platform.apply_all()`` |
 | ``qurl_vllm`` | only in a process that runs the ``qurl_vllm`` rollout adapter | the adapter | ``loss_metrics_channel.apply()`` |
 | ``qurl_vllm_server`` | only on a ``qurl_vllm`` server's own engine object | the server | ``qurl_vllm_server.apply_all(engine)`` |

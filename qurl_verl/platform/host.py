@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 
 from qurl_verl.platform.cpu_features import cpu_flags
-from qurl_verl.rollout.vllm_versions import installed_vllm_version
 from qurl_verl.settings import cpu_platform_selected
+from qurl_verl.versions import installed_vllm_version
 
 
 @dataclass(frozen=True)

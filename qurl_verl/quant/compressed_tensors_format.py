@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .formats import DEFAULT_BLOCK_SIZE, WEIGHT_GRANULARITIES, QuantFormat, resolve_format
+from .formats import WEIGHT_GRANULARITIES, Granularity
 from .quantizer import quantize
+from .scheme import INT8_CHANNEL, QuantScheme
 
 # The linear projections of Llama/Qwen/Mistral decoder layers: attention (``self_attn.*``) and MLP
 # (``mlp.*``). Fused-layer checkpoints (qkv_proj, gate_up_proj) are covered by passing them
@@ -170,56 +171,52 @@ def is_quantization_target(
     return any(_module_matches(module, suffix) for suffix in suffixes)
 
 
-def _check_vllm_combination(qfmt: QuantFormat, granularity: str) -> None:
-    if granularity not in WEIGHT_GRANULARITIES:
-        raise ValueError(f"weight granularity must be one of {list(WEIGHT_GRANULARITIES)}, got {granularity!r}")
-    if granularity == "block" and qfmt.name != "fp8":
+def _check_vllm_combination(scheme: QuantScheme) -> None:
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"a QuantScheme (INT8_CHANNEL, FP8_BLOCK, parse_scheme(...)) is needed, got {scheme!r}")
+    if scheme.granularity not in WEIGHT_GRANULARITIES:
+        raise ValueError(f"weight granularity must be one of {[g.value for g in WEIGHT_GRANULARITIES]}, "
+                         f"got {scheme.granularity.value!r}")
+    if scheme.granularity is Granularity.BLOCK and scheme.codes.name != "fp8":
         # vLLM's compressed-tensors INT8 scheme accepts only per-tensor/per-channel weights.
         raise ValueError("block granularity is an FP8 layout; vLLM has no INT8 block-scaled kernel. "
-                         "Use fmt='fp8' with 'block', or granularity='channel' for INT8.")
+                         "Use FP8 codes with 'block' (FP8_BLOCK), or 'channel' granularity for INT8 (INT8_CHANNEL).")
 
 
 def quantize_state_dict(
     named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-    fmt: str | QuantFormat = "int8",
-    granularity: str = "channel",
+    scheme: QuantScheme = INT8_CHANNEL,
     ignore: Iterable[str] = DEFAULT_IGNORE,
     targets: TargetSpec = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` pairs in compressed-tensors layout, one input tensor at a time."""
-    qfmt = resolve_format(fmt)
-    _check_vllm_combination(qfmt, granularity)
+    """Yield ``(name, tensor)`` pairs in compressed-tensors layout, one input tensor at a time: each target
+    weight as its codes in ``scheme`` and ``weight_scale``, every other tensor as it comes."""
+    _check_vllm_combination(scheme)
     ignore = tuple(ignore)
     items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
     for name, tensor in items:
         if is_quantization_target(name, tensor, targets, ignore):
-            q = quantize(tensor, qfmt, granularity, name=name, block_size=block_size)
+            q = quantize(tensor, scheme, name=name)
             yield name, q.data
             yield name[: -len("weight")] + "weight_scale", q.scale
         else:
             yield name, tensor
 
 
-def compressed_tensors_config(
-    fmt: str | QuantFormat = "int8",
-    granularity: str = "channel",
-    ignore: Iterable[str] = DEFAULT_IGNORE,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> dict:
+def compressed_tensors_config(scheme: QuantScheme = INT8_CHANNEL, ignore: Iterable[str] = DEFAULT_IGNORE) -> dict:
     """The ``quantization_config`` entry of config.json that makes vLLM load our W8A8 weights.
 
     Channel weights pair with dynamic per-token activations (vLLM's W8A8 INT8/FP8 schemes);
     block weights pair with dynamic 1 x block_size activation groups (the FP8_BLOCK preset).
     ``ignore`` is emitted as ``vllm_ignore_patterns`` writes it, the list the stream matches.
     """
-    qfmt = resolve_format(fmt)
-    _check_vllm_combination(qfmt, granularity)
+    _check_vllm_combination(scheme)
+    qfmt, block_size = scheme.codes, scheme.block_size
     weights = {
         "num_bits": 8,
         "type": qfmt.compressed_tensors_type,
         "symmetric": True,
-        "strategy": granularity,
+        "strategy": scheme.granularity.value,
         "dynamic": False,
     }
     activations = {
@@ -229,7 +226,7 @@ def compressed_tensors_config(
         "strategy": "token",
         "dynamic": True,
     }
-    if granularity == "block":
+    if scheme.granularity is Granularity.BLOCK:
         weights["block_structure"] = [block_size, block_size]
         activations["strategy"] = "group"
         activations["group_size"] = block_size

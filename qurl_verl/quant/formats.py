@@ -1,10 +1,12 @@
-"""The two 8-bit formats QuRL rolls out with, and the granularities their scales come in.
+"""The two 8-bit formats QuRL rolls out with (and narrower integer codes), and the granularities their scales
+come in; ``scheme.QuantScheme`` pairs one of each.
 
 Both formats are symmetric with no zero point, which is what vLLM's W8A8 kernels
 (compressed-tensors INT8 and FP8) accept.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -50,30 +52,36 @@ def activation_format(weight_fmt: QuantFormat) -> QuantFormat:
 
 FORMATS = {"fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3, **{f"int{b}": int_format(b) for b in range(MIN_INT_BITS, MAX_INT_BITS + 1)}}
 
-# Weight granularities act on a 2-D [out_features, in_features] matrix;
-# activation granularities act on the last dimension of any tensor.
-WEIGHT_GRANULARITIES = ("channel", "block")
-ACTIVATION_GRANULARITIES = ("token", "group")
+
+class Granularity(str, enum.Enum):
+    """What one scale covers. Weight granularities act on a 2-D [out_features, in_features] matrix;
+    activation granularities act on the last dimension of any tensor."""
+
+    CHANNEL = "channel"  # weights: one scale per output row
+    BLOCK = "block"  # weights: one per block_size x block_size tile
+    TOKEN = "token"  # activations: one per row (token)
+    GROUP = "group"  # activations: one per block_size consecutive elements of the last dimension
+
+    @property
+    def of_weights(self) -> bool:
+        return self in WEIGHT_GRANULARITIES
+
+    @property
+    def activation(self) -> Granularity:
+        """The activation granularity that pairs with this weight granularity in W8A8 (token for
+        channel, 1 x block_size groups for block)."""
+        if not self.of_weights:
+            raise ValueError(f"{self.value!r} is an activation granularity")
+        return Granularity.TOKEN if self is Granularity.CHANNEL else Granularity.GROUP
+
+    def __str__(self) -> str:
+        return self.value
+
+
+WEIGHT_GRANULARITIES = (Granularity.CHANNEL, Granularity.BLOCK)
+ACTIVATION_GRANULARITIES = (Granularity.TOKEN, Granularity.GROUP)
 GRANULARITIES = WEIGHT_GRANULARITIES + ACTIVATION_GRANULARITIES
 
 # verl's FP8 rollout and DeepSeek-style checkpoints use 128x128 weight blocks and
 # 1x128 activation groups.
 DEFAULT_BLOCK_SIZE = 128
-
-# Activation granularity that pairs with each weight granularity in W8A8.
-ACTIVATION_FOR_WEIGHT = {"channel": "token", "block": "group"}
-
-
-def resolve_format(fmt: str | QuantFormat) -> QuantFormat:
-    if isinstance(fmt, QuantFormat):
-        return fmt
-    try:
-        return FORMATS[str(fmt).lower()]
-    except KeyError:
-        raise ValueError(f"unknown quantization format {fmt!r}; choose one of {sorted(FORMATS)}") from None
-
-
-def check_granularity(granularity: str) -> str:
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; choose one of {list(GRANULARITIES)}")
-    return granularity

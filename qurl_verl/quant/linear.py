@@ -1,6 +1,6 @@
 """A torch stand-in for vLLM's W8A8 linear layers, to check the rollout engine's log-probs.
 
-``quantize_linear_modules_(model, fmt)`` swaps the targeted ``nn.Linear`` layers of a HF model
+``quantize_linear_modules_(model, scheme)`` swaps the targeted ``nn.Linear`` layers of a HF model
 (same selection as ``quantize_state_dict``) for ``W8A8Linear``. Its buffers are named
 ``weight`` / ``weight_scale``, so the swapped model's ``state_dict()`` is already in
 compressed-tensors layout.
@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .compressed_tensors_format import DEFAULT_IGNORE, TargetSpec, is_quantization_target
-from .formats import ACTIVATION_FOR_WEIGHT, DEFAULT_BLOCK_SIZE, WEIGHT_GRANULARITIES, activation_format, resolve_format
+from .formats import WEIGHT_GRANULARITIES, Granularity, QuantFormat
 from .matmul import w8a8_linear
 from .quantizer import QuantizedTensor, fake_quantize, quantize
+from .scheme import INT8_CHANNEL, QuantScheme
 
 
 class W8A8Linear(nn.Module):
@@ -33,34 +34,35 @@ class W8A8Linear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        fmt: str = "int8",
-        granularity: str = "channel",
+        scheme: QuantScheme = INT8_CHANNEL,
         fake: bool = False,
-        block_size: int = DEFAULT_BLOCK_SIZE,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ):
         super().__init__()
-        if granularity not in WEIGHT_GRANULARITIES:
-            raise ValueError(f"W8A8Linear weight granularity must be one of {list(WEIGHT_GRANULARITIES)}, got {granularity!r}")
+        if not isinstance(scheme, QuantScheme):
+            raise TypeError(f"W8A8Linear takes a QuantScheme (INT8_CHANNEL, parse_scheme(...)), got {scheme!r}")
+        if scheme.granularity not in WEIGHT_GRANULARITIES:
+            raise ValueError(f"W8A8Linear weight granularity must be one of {[g.value for g in WEIGHT_GRANULARITIES]}, "
+                             f"got {scheme.granularity.value!r}")
         self.in_features, self.out_features = in_features, out_features
-        self.fmt = resolve_format(fmt)
-        self.granularity, self.fake, self.block_size = granularity, fake, block_size
+        self.scheme, self.fake = scheme, fake
+        block_size = scheme.block_size
         self.input_shards = 1  # > 1: computed as that many row-parallel TP ranks (``shard_input_``)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=self.fmt.dtype, device=device))
         scale_shape = (
             (out_features, 1)
-            if granularity == "channel"
+            if scheme.granularity is Granularity.CHANNEL
             else (-(-out_features // block_size), -(-in_features // block_size))
         )
         self.register_buffer("weight_scale", torch.ones(scale_shape, dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str = "int8", granularity: str = "channel",
-                    fake: bool = False, name: str | None = None) -> W8A8Linear:
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, fmt=fmt,
-                    granularity=granularity, fake=fake, dtype=linear.weight.dtype, device=linear.weight.device)
+    def from_linear(cls, linear: nn.Linear, scheme: QuantScheme = INT8_CHANNEL, fake: bool = False,
+                    name: str | None = None) -> W8A8Linear:
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, scheme=scheme, fake=fake,
+                    dtype=linear.weight.dtype, device=linear.weight.device)
         layer.load_weight_(linear.weight, name=name)
         if linear.bias is not None:
             layer.bias.data.copy_(linear.bias.detach())
@@ -69,12 +71,24 @@ class W8A8Linear(nn.Module):
     @torch.no_grad()
     def load_weight_(self, weight: torch.Tensor, name: str | None = None) -> None:
         """Re-quantize from full-precision weights (what every rollout weight sync does)."""
-        q = quantize(weight, self.fmt, self.granularity, name=name, block_size=self.block_size)
+        q = quantize(weight, self.scheme, name=name)
         self.weight.copy_(q.data)
         self.weight_scale.copy_(q.scale)
 
     def quantized_weight(self) -> QuantizedTensor:
-        return QuantizedTensor(self.weight, self.weight_scale, self.fmt, self.granularity, self.block_size)
+        return QuantizedTensor(self.weight, self.weight_scale, self.scheme)
+
+    @property
+    def fmt(self) -> QuantFormat:
+        return self.scheme.codes
+
+    @property
+    def granularity(self) -> Granularity:
+        return self.scheme.granularity
+
+    @property
+    def block_size(self) -> int:
+        return self.scheme.block_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qw = self.quantized_weight()
@@ -91,8 +105,8 @@ class W8A8Linear(nn.Module):
 
     def shard_input_(self, shards: int) -> W8A8Linear:
         """Compute as ``shards`` row-parallel ranks do together (see ``forward``); per-channel weights only."""
-        if shards < 1 or self.in_features % shards or (shards > 1 and self.granularity != "channel"):
-            raise ValueError(f"cannot split {self.in_features} input features of a {self.granularity!r} layer "
+        if shards < 1 or self.in_features % shards or (shards > 1 and self.granularity is not Granularity.CHANNEL):
+            raise ValueError(f"cannot split {self.in_features} input features of a {self.granularity.value!r} layer "
                              f"into {shards} row-parallel shards")
         self.input_shards = shards
         return self
@@ -101,19 +115,17 @@ class W8A8Linear(nn.Module):
         """``x @ W.T (+ bias)`` through 8-bit activations, in float32."""
         if not self.fake:
             return w8a8_linear(x, qw, bias=bias, out_dtype=torch.float32)
-        act = ACTIVATION_FOR_WEIGHT[self.granularity]
-        x_fq = fake_quantize(x.to(torch.float32), activation_format(self.fmt), act, block_size=self.block_size)
+        x_fq = fake_quantize(x.to(torch.float32), self.scheme.activations)
         return F.linear(x_fq, qw.dequantize(torch.float32), None if bias is None else bias.to(torch.float32))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"fmt={self.fmt.name}, granularity={self.granularity}, fake={self.fake}")
+                f"fmt={self.fmt.name}, granularity={self.granularity.value}, fake={self.fake}")
 
 
 def quantize_linear_modules_(
     model: nn.Module,
-    fmt: str = "int8",
-    granularity: str = "channel",
+    scheme: QuantScheme = INT8_CHANNEL,
     targets: TargetSpec = None,
     ignore: Iterable[str] = DEFAULT_IGNORE,
     fake: bool = False,
@@ -128,5 +140,5 @@ def quantize_linear_modules_(
     for name, module in swaps:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, W8A8Linear.from_linear(module, fmt, granularity, fake, name=f"{name}.weight"))
+        setattr(parent, child, W8A8Linear.from_linear(module, scheme, fake, name=f"{name}.weight"))
     return model

@@ -12,19 +12,20 @@ import functools
 
 import torch
 
-from .formats import ACTIVATION_FOR_WEIGHT, activation_format
+from .formats import Granularity
 from .quantizer import QuantizedTensor, quantize
+from .scheme import QuantScheme
 
 
 def w8a8_linear_reference(
     x: torch.Tensor,
     qw: QuantizedTensor,
-    act_granularity: str | None = None,
+    activations: QuantScheme | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """float64 result of quantize(x) @ dequantize(w)^T (+ bias): the ground truth for the fast paths."""
-    act_granularity = act_granularity or ACTIVATION_FOR_WEIGHT[qw.granularity]
-    qx = quantize(x, qw.fmt, act_granularity, block_size=qw.block_size)
+    """float64 result of quantize(x) @ dequantize(w)^T (+ bias): the ground truth for the fast paths.
+    ``activations``: how ``x`` is quantized; default the weight's codes at the paired activation granularity."""
+    qx = quantize(x, activations or qw.scheme.at(qw.granularity.activation))
     out = qx.dequantize(torch.float64) @ qw.dequantize(torch.float64).t()
     if bias is not None:
         out = out + bias.to(torch.float64)
@@ -102,8 +103,8 @@ def w8a8_linear(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     rescaled = _int8_rescaled if qw.fmt.dtype == torch.int8 else _fp8_rescaled
-    qx = quantize(x2, activation_format(qw.fmt), ACTIVATION_FOR_WEIGHT[qw.granularity], block_size=qw.block_size)
-    if qw.granularity == "channel":
+    qx = quantize(x2, qw.scheme.activations)
+    if qw.granularity is Granularity.CHANNEL:
         out = rescaled(qx.data, qx.scale, qw.data, qw.scale)
     else:
         b, n = qw.block_size, qw.shape[0]

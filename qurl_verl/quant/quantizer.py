@@ -29,14 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .formats import (
-    ACTIVATION_GRANULARITIES,
-    DEFAULT_BLOCK_SIZE,
-    WEIGHT_GRANULARITIES,
-    QuantFormat,
-    check_granularity,
-    resolve_format,
-)
+from .formats import ACTIVATION_GRANULARITIES, WEIGHT_GRANULARITIES, Granularity, QuantFormat
+from .scheme import INT8_CHANNEL, QuantScheme
 
 # Guards the scale of an all-zero group (see module docstring).
 MIN_SCALE = torch.finfo(torch.float32).tiny
@@ -44,13 +38,24 @@ MIN_SCALE = torch.finfo(torch.float32).tiny
 
 @dataclass
 class QuantizedTensor:
-    """8-bit codes plus float32 scales; ``data * scale`` (broadcast per granularity) is the value."""
+    """8-bit codes plus float32 scales, and the scheme they were made with; ``data * scale`` (broadcast per
+    granularity) is the value."""
 
     data: torch.Tensor
     scale: torch.Tensor
-    fmt: QuantFormat
-    granularity: str
-    block_size: int = DEFAULT_BLOCK_SIZE
+    scheme: QuantScheme = INT8_CHANNEL
+
+    @property
+    def fmt(self) -> QuantFormat:
+        return self.scheme.codes
+
+    @property
+    def granularity(self) -> Granularity:
+        return self.scheme.granularity
+
+    @property
+    def block_size(self) -> int:
+        return self.scheme.block_size
 
     @property
     def shape(self) -> torch.Size:
@@ -59,19 +64,19 @@ class QuantizedTensor:
     def expanded_scale(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The scale broadcastable against ``data`` (materialised for block/group layouts)."""
         scale = self.scale.to(dtype)
-        if self.granularity in ("channel", "token"):
+        if self.granularity in (Granularity.CHANNEL, Granularity.TOKEN):
             return scale
         b = self.block_size
-        if self.granularity == "block":
+        if self.granularity is Granularity.BLOCK:
             n, k = self.data.shape
             return scale.repeat_interleave(b, 0)[:n].repeat_interleave(b, 1)[:, :k]
         return scale.repeat_interleave(b, -1)[..., : self.data.shape[-1]]  # group
 
     def column_slice(self, start: int, stop: int) -> QuantizedTensor:
         """Input columns ``start:stop`` of a per-channel weight: its scales (one per output row) stay whole."""
-        if self.granularity != "channel":
-            raise ValueError(f"a column slice keeps its scales only for 'channel' weights, not {self.granularity!r}")
-        return QuantizedTensor(self.data[:, start:stop], self.scale, self.fmt, self.granularity, self.block_size)
+        if self.granularity is not Granularity.CHANNEL:
+            raise ValueError(f"a column slice keeps its scales only for 'channel' weights, not {self.granularity.value!r}")
+        return QuantizedTensor(self.data[:, start:stop], self.scale, self.scheme)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         # float64 requests are computed in float64 so references stay exact.
@@ -121,52 +126,43 @@ def _padded_groups(t: torch.Tensor, g: int) -> torch.Tensor:
     return t.view(m, (k + pad_k) // g, g)
 
 
-def quantize(
-    w: torch.Tensor,
-    fmt: str | QuantFormat = "int8",
-    granularity: str = "channel",
-    *,
-    name: str | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> QuantizedTensor:
-    """Quantize ``w`` symmetrically with absmax scales.
+def quantize(w: torch.Tensor, scheme: QuantScheme = INT8_CHANNEL, *, name: str | None = None) -> QuantizedTensor:
+    """Quantize ``w`` symmetrically with absmax scales, to ``scheme.codes``.
 
-    ``granularity``: ``"channel"`` (one scale per row of a 2-D [out, in] weight), ``"block"``
-    (one per ``block_size`` x ``block_size`` tile of a 2-D weight), ``"token"`` (one per row of
-    the last dimension, for activations of any rank) or ``"group"`` (one per ``block_size``
+    ``scheme.granularity``: ``CHANNEL`` (one scale per row of a 2-D [out, in] weight), ``BLOCK``
+    (one per ``block_size`` x ``block_size`` tile of a 2-D weight), ``TOKEN`` (one per row of
+    the last dimension, for activations of any rank) or ``GROUP`` (one per ``block_size``
     consecutive elements of the last dimension).
     """
-    qfmt = resolve_format(fmt)
-    check_granularity(granularity)
+    if not isinstance(scheme, QuantScheme):
+        raise TypeError(f"quantize takes a QuantScheme (INT8_CHANNEL, parse_scheme(...)), got {scheme!r}")
+    qfmt, granularity, block_size = scheme.codes, scheme.granularity, scheme.block_size
     label = f" {name!r}" if name else ""
     if not torch.is_floating_point(w) or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"quantize expects a float16/bfloat16/float32/float64 tensor{label}, got {w.dtype}")
     if granularity in WEIGHT_GRANULARITIES and w.dim() != 2:
         raise ValueError(
-            f"{granularity!r} granularity quantizes 2-D [out_features, in_features] weights; "
+            f"{granularity.value!r} granularity quantizes 2-D [out_features, in_features] weights; "
             f"tensor{label} has shape {tuple(w.shape)}"
         )
     if granularity in ACTIVATION_GRANULARITIES and w.dim() < 1:
-        raise ValueError(f"{granularity!r} granularity needs at least one dimension; tensor{label} is a scalar")
+        raise ValueError(f"{granularity.value!r} granularity needs at least one dimension; tensor{label} is a scalar")
     if w.numel() == 0:
         raise ValueError(f"cannot quantize empty tensor{label} of shape {tuple(w.shape)}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-
     # bf16/fp16 values are exact in float32 and ``half_tensor / float32_scale`` promotes to float32,
     # so skipping an explicit upcast gives the same codes without a full-size temporary.
     src = w.detach() if w.dtype in (torch.float32, torch.bfloat16, torch.float16) else w.detach().to(torch.float32)
-    if granularity == "channel":
+    if granularity is Granularity.CHANNEL:
         amax = _absmax(src, 1)
         _check_finite(amax, name)
         scale = _scale_from_amax(amax, qfmt)
         data = _encode(src / scale, qfmt)
-    elif granularity == "token":
+    elif granularity is Granularity.TOKEN:
         amax = _absmax(src, -1)
         _check_finite(amax, name)
         scale = _scale_from_amax(amax, qfmt)
         data = _encode(src / scale, qfmt)
-    elif granularity == "block":
+    elif granularity is Granularity.BLOCK:
         n, k = src.shape
         tiles = _padded_tiles(src, block_size)
         amax = _absmax(tiles, (1, 3)).squeeze(3).squeeze(1)
@@ -183,11 +179,9 @@ def quantize(
         codes = _encode(groups / scale[..., None], qfmt)
         data = codes.reshape(codes.shape[0], -1)[:, :k].reshape(*lead, k).contiguous()
         scale = scale.reshape(*lead, math.ceil(k / block_size))
-    return QuantizedTensor(data=data, scale=scale, fmt=qfmt, granularity=granularity, block_size=block_size)
+    return QuantizedTensor(data=data, scale=scale, scheme=scheme)
 
 
-def fake_quantize(
-    w: torch.Tensor, fmt: str | QuantFormat = "int8", granularity: str = "channel", **kwargs
-) -> torch.Tensor:
+def fake_quantize(w: torch.Tensor, scheme: QuantScheme = INT8_CHANNEL, *, name: str | None = None) -> torch.Tensor:
     """Quantize then dequantize back to ``w``'s dtype: the values the rollout engine computes with."""
-    return quantize(w, fmt, granularity, **kwargs).dequantize(w.dtype)
+    return quantize(w, scheme, name=name).dequantize(w.dtype)

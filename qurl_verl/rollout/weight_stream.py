@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qurl_verl.quant import QuantizedTensor, UpdateVisibilityTracker, resolve_format
+from qurl_verl.quant import QuantizedTensor, UpdateVisibilityTracker
 from qurl_verl.quant.compressed_tensors_format import is_quantization_target, quantize_state_dict
 from qurl_verl.rollout.sync_stats import StreamStats
 from qurl_verl.settings import RolloutSettings
@@ -90,7 +90,7 @@ class WeightStreamQuantizer:
         targets = [item for item, q in zip(bucket, is_target) if q]
         if targets:
             s = self.settings
-            out.extend(quantize_state_dict(targets, s.quant_format, s.format.granularity, ignore=self.ignore))
+            out.extend(quantize_state_dict(targets, s.quant_scheme, ignore=self.ignore))
         quantized = time.perf_counter()
         if self.tracker is not None and targets:
             self._observe(targets, out[len(out) - 2 * len(targets) :])
@@ -109,6 +109,6 @@ class WeightStreamQuantizer:
 
     def _observe(self, targets, quantized) -> None:
         """``quantized`` is (codes, scale) per target, in order, as quantize_state_dict yields them."""
-        fmt, granularity = resolve_format(self.settings.quant_format), self.settings.format.granularity
+        scheme = self.settings.quant_scheme
         for (name, weight), (_, codes), (_, scale) in zip(targets, quantized[0::2], quantized[1::2]):
-            self.tracker.observe(name, weight, QuantizedTensor(codes, scale, fmt, granularity))
+            self.tracker.observe(name, weight, QuantizedTensor(codes, scale, scheme))

@@ -5,12 +5,13 @@ Each group is read from the config node verl hands to the process that needs it:
 | group | config node | module | read in |
 |---|---|---|---|
 | rollout | ``actor_rollout_ref.rollout.{name, quantization, custom.qurl.*}`` | ``rollout`` | driver, vLLM server, adapter |
-| loss | ``actor_rollout_ref.actor.policy_loss.{loss_mode, is_cap, acr_upper_cap}`` | ``loss`` | driver, actor workers |
+| loss | ``actor_rollout_ref.actor.policy_loss.{loss_mode, is_cap, acr_upper_cap}`` | ``loss`` (verl's class: ``loss_config``; what the losses need elsewhere: ``loss_requirements``) | driver, actor workers |
 | UAQ | ``qurl.uaq.*`` | ``uaq`` | driver only (the checkpoint is converted before Ray starts) |
 
 ``keys`` spells every key and holds the one reader, ``errors`` the error class and requirement
 tables. Imports only the pure-torch layer (for the defaults it owns) and the standard library, and
-probes nothing: every other qurl-verl module may import this.
+probes nothing: every other qurl-verl module may import this. ``loss_config`` alone imports verl (its
+class subclasses verl's ``PolicyLossConfig``); this ``__init__`` never imports it.
 """
 from __future__ import annotations
 
@@ -52,14 +53,12 @@ from .keys import (
     show,
     uses_qurl,
 )
-from .loss import (
-    DEFAULT_IS_CAP,
+from .loss import DEFAULT_IS_CAP, LossMode, LossSettings
+from .loss_requirements import (
     LOSS_CONFIG_TARGET,
     LOSS_REQUIRED,
     MIN_IS_THRESHOLD,
     SUGGESTED_IS_THRESHOLD,
-    LossMode,
-    LossSettings,
     is_qurl_loss_config_target,
     loss_problems,
     untruncated_weights_problem,

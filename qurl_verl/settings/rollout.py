@@ -21,7 +21,8 @@ from qurl_verl.quant.compressed_tensors_format import (
     compressed_tensors_config,
     vllm_ignore_patterns,
 )
-from qurl_verl.quant.formats import MAX_INT_BITS, MIN_INT_BITS
+from qurl_verl.quant.formats import MAX_INT_BITS, MIN_INT_BITS, int_format
+from qurl_verl.quant.scheme import FP8_BLOCK, FP8_CHANNEL, INT8_CHANNEL, QuantScheme
 from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
 
 from .errors import QurlConfigError, is_number
@@ -41,14 +42,10 @@ class RolloutFormat(str, enum.Enum):
         return self is not RolloutFormat.BF16
 
     @property
-    def engine_codes(self) -> str | None:
-        """The ``qurl_verl.quant`` format of the codes the engine's kernels hold (int8 or fp8, whatever
-        ``weight_bits``), None for bf16; ``RolloutSettings.quant_format`` is what the stream quantizes to."""
-        return {RolloutFormat.INT8: "int8", RolloutFormat.FP8: "fp8", RolloutFormat.FP8_BLOCK: "fp8"}.get(self)
-
-    @property
-    def granularity(self) -> str | None:
-        return {RolloutFormat.INT8: "channel", RolloutFormat.FP8: "channel", RolloutFormat.FP8_BLOCK: "block"}.get(self)
+    def engine_scheme(self) -> QuantScheme | None:
+        """The ``qurl_verl.quant`` scheme the engine's kernels hold (INT8 or FP8 codes, whatever ``weight_bits``),
+        None for bf16; ``RolloutSettings.quant_scheme`` is what the stream quantizes to."""
+        return {RolloutFormat.INT8: INT8_CHANNEL, RolloutFormat.FP8: FP8_CHANNEL, RolloutFormat.FP8_BLOCK: FP8_BLOCK}.get(self)
 
 
 class ExpertsPrecision(str, enum.Enum):
@@ -189,11 +186,13 @@ class RolloutSettings:
         return int(self.code_change_max_mb * 2**20)
 
     @property
-    def quant_format(self) -> str | None:
-        """The ``qurl_verl.quant`` format the weight stream quantizes to (``int<b>``, ``fp8``), None for bf16."""
+    def quant_scheme(self) -> QuantScheme | None:
+        """The ``qurl_verl.quant`` scheme the weight stream, the export and the tracker quantize with (``int<b>``
+        codes per channel for int8, FP8 per channel or in 128 x 128 blocks), None for bf16."""
+        scheme = self.format.engine_scheme
         if self.format is RolloutFormat.INT8:
-            return f"int{self.weight_bits}"
-        return self.format.engine_codes
+            return QuantScheme(int_format(self.weight_bits), scheme.granularity, scheme.block_size)
+        return scheme
 
     @property
     def ignore_patterns(self) -> tuple[str, ...]:
@@ -207,7 +206,7 @@ class RolloutSettings:
         """The compressed-tensors ``quantization_config`` the engine is built with (None for bf16)."""
         if not self.quantized:
             return None
-        return compressed_tensors_config(self.format.engine_codes, self.format.granularity, ignore=self.ignore_patterns)
+        return compressed_tensors_config(self.format.engine_scheme, ignore=self.ignore_patterns)
 
     def engine_quantization(self) -> tuple[str | None, dict]:
         """(vLLM ``quantization``, ``hf_overrides``): what verl's server passes to the engine."""

@@ -50,7 +50,7 @@ from main_ppo_checks import (
 )
 
 from qurl_testkit.main_ppo_runs import RecipeInputs, run_recipe
-from qurl_verl.rollout.vllm_versions import installed_vllm_version, vllm_release
+from qurl_verl.versions import installed_vllm_version, vllm_release
 
 STACK = "{}.{}".format(*(vllm_release(installed_vllm_version()) or (0, 0)))
 VOCAB_PADDED = 520  # not a multiple of vLLM's padding of 64

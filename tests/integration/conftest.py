@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from qurl_testkit.reload_harness import build_peaked_tiny_model, engine_env
-from qurl_verl.rollout.vllm_versions import installed_vllm_version, vllm_release
+from qurl_verl.versions import installed_vllm_version, vllm_release
 
 INPROC_ENGINE_CORE_VLLM = (0, 32)
 

@@ -36,8 +36,8 @@ from qurl_testkit.reload_harness import (
     sync_weights,
 )
 from qurl_verl.platform.cpu_features import cpu_flags
-from qurl_verl.rollout.vllm_versions import W8A8_INT8_EXPERTS_VLLM, installed_vllm_version, vllm_release
 from qurl_verl.settings import RolloutSettings
+from qurl_verl.versions import W8A8_INT8_EXPERTS_VLLM, installed_vllm_version, vllm_release
 
 pytestmark = [
     pytest.mark.integration,

@@ -48,7 +48,7 @@ from qurl_testkit.reload_harness import (
 )
 from qurl_verl.platform import cpu_int8_gemm
 from qurl_verl.platform.cpu_features import cpu_flags
-from qurl_verl.quant import quantize
+from qurl_verl.quant import INT8_CHANNEL, quantize
 from qurl_verl.rollout import cpu_int8_paths
 from qurl_verl.rollout.int8_gemm_report import INT8_GEMMS
 from qurl_verl.settings import RolloutSettings
@@ -71,7 +71,7 @@ def reference_weight(master: dict[str, torch.Tensor], module: str):
     of its checkpoint shards, quantized as the weight stream quantizes them."""
     parent, _, leaf = module.rpartition(".")
     shards = [f"{parent}.{s}" for s in FUSED_SHARDS.get(leaf, (leaf,))]
-    quantized = [quantize(master[f"{s}.weight"], "int8", "channel", name=f"{s}.weight") for s in shards]
+    quantized = [quantize(master[f"{s}.weight"], INT8_CHANNEL, name=f"{s}.weight") for s in shards]
     codes = torch.cat([q.data for q in quantized])
     scale = torch.cat([q.scale.reshape(-1) for q in quantized])
     biases = [master.get(f"{s}.bias") for s in shards]

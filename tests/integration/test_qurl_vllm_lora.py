@@ -38,9 +38,9 @@ from qurl_testkit.reload_harness import (
     summary,
     sync_weights,
 )
+from qurl_verl import versions
 from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding
 from qurl_verl.rollout import vllm_versions
-from qurl_verl.rollout.features.lora_adapters import CPU_LORA_TENSOR_PARALLEL_VLLM
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
@@ -57,7 +57,7 @@ def lora_engine(request, tiny_model_dir, engine_environment):
     from verl.workers.rollout.vllm_rollout.utils import get_vllm_max_lora_rank
 
     tp = request.param
-    if tp > 1 and vllm_versions.vllm_release(vllm_versions.vllm_version()) < CPU_LORA_TENSOR_PARALLEL_VLLM:
+    if tp > 1 and versions.vllm_release(vllm_versions.vllm_version()) < versions.CPU_LORA_TENSOR_PARALLEL_VLLM:
         pytest.skip("vLLM-CPU 0.24's LoRA ops fail on TP shards (bf16 engines too); the driver refuses LoRA adapters "
                     "at rollout TP > 1 there (tests/unit/test_config_checks.py forces that branch)")
     if tp > 1:

@@ -83,7 +83,7 @@ from qurl_testkit.reload_harness import (
     sync_weights,
 )
 from qurl_verl.export_quantized import export_quantized_checkpoint
-from qurl_verl.quant import update_visibility
+from qurl_verl.quant import INT8_CHANNEL, update_visibility
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
@@ -183,7 +183,7 @@ def test_int8_engine_tracks_the_w8a8_reference_over_syncs(int8_engine, tiny_mode
             assert stats["changed_code_frac"] is None, stats
         else:  # the engine's code-change rate over every 8th row: quant's own count on those rows
             rows = lambda w: {n: t[::8] if t.dim() == 2 else t for n, t in w.items()}  # noqa: E731
-            want = update_visibility(rows(previous), rows(trainer.master), "int8", "channel")["overall"]
+            want = update_visibility(rows(previous), rows(trainer.master), INT8_CHANNEL)["overall"]
             assert stats["changed_code_frac"] == pytest.approx(want["changed_fraction"], abs=1e-9), (stats, want)
             assert stats["update_to_error_ratio"] == pytest.approx(want["update_to_error_ratio"], rel=1e-4)
             assert 0 < stats["changed_code_frac"] < 1

@@ -41,7 +41,7 @@ from qurl_testkit.reload_harness import (
     sync_weights,
 )
 from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding
-from qurl_verl.quant import quantize
+from qurl_verl.quant import INT8_CHANNEL, quantize
 from qurl_verl.rollout.sync_stats import combine_ranks
 from qurl_verl.settings import RolloutSettings
 
@@ -76,12 +76,12 @@ def expected_shard(master: dict[str, torch.Tensor], layer: str, rank: int) -> tu
     if kind in COLUMN_PARALLEL:
         codes, scales = [], []
         for part in COLUMN_PARALLEL[kind]:
-            q = quantize(master[f"{base}.{part}.weight"], "int8", "channel")
+            q = quantize(master[f"{base}.{part}.weight"], INT8_CHANNEL)
             rows = q.data.shape[0] // TP
             codes.append(q.data[rank * rows:(rank + 1) * rows])
             scales.append(q.scale.reshape(-1)[rank * rows:(rank + 1) * rows])
         return torch.cat(codes), torch.cat(scales)
-    q = quantize(master[f"{base}.{kind}.weight"], "int8", "channel")
+    q = quantize(master[f"{base}.{kind}.weight"], INT8_CHANNEL)
     cols = q.data.shape[1] // TP
     return q.data[:, rank * cols:(rank + 1) * cols], q.scale.reshape(-1)
 

@@ -68,7 +68,7 @@ def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
     from vllm.platforms import PlatformEnum
 
     from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_kernels
-    from qurl_verl.quant import quantize
+    from qurl_verl.quant import INT8_CHANNEL, quantize
     from qurl_verl.quant.matmul import w8a8_linear_reference
     from qurl_verl.rollout.cpu_int8_kernels import SaturationFreeCPUInt8ScaledMMLinearKernel
 
@@ -76,7 +76,7 @@ def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
         pytest.skip("this CPU's oneDNN int8 GEMM does not saturate (VNNI/AMX): the patch stays off")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(16, 512, generator=gen)
-    qw = quantize(torch.randn(384, 512, generator=gen) * 0.05, "int8", "channel")
+    qw = quantize(torch.randn(384, 512, generator=gen) * 0.05, INT8_CHANNEL)
     want = w8a8_linear_reference(x, qw)
 
     def rel_error(linear) -> float:

@@ -6,8 +6,8 @@ import re
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from qurl_verl.losses.config import QurlPolicyLossConfig
 from qurl_verl.settings import QurlConfigError, QurlSettings
+from qurl_verl.settings.loss_config import QurlPolicyLossConfig
 
 
 def validate_loss_settings(cfg):
@@ -15,7 +15,7 @@ def validate_loss_settings(cfg):
 
 GOOD = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig",
+    "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.settings.loss_config.QurlPolicyLossConfig",
     "actor_rollout_ref.actor.policy_loss.loss_mode=qurl_acr",
     "+actor_rollout_ref.actor.policy_loss.is_cap=2.0",
     "actor_rollout_ref.actor.clip_ratio_high=0.28",
@@ -45,6 +45,15 @@ def test_good_config_passes(good_cfg):
     validate_loss_settings(good_cfg)
 
 
+def test_the_earlier_target_names_the_same_config(good_cfg):
+    """Configs written before the class moved into ``settings`` name ``qurl_verl.losses.config``: still accepted."""
+    from qurl_verl.losses.config import QurlPolicyLossConfig as earlier
+
+    assert earlier is QurlPolicyLossConfig
+    validate_loss_settings(with_setting(good_cfg, "actor_rollout_ref.actor.policy_loss._target_",
+                                        "qurl_verl.losses.config.QurlPolicyLossConfig"))
+
+
 def test_other_loss_modes_are_not_checked(good_cfg):
     cfg = with_setting(good_cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla")
     cfg = with_setting(cfg, "algorithm.rollout_correction.bypass_mode", True)
@@ -63,7 +72,7 @@ BAD = {
     "rejection_sampling": ("algorithm.rollout_correction.rollout_rs", "token_k1", "set algorithm.rollout_correction.rollout_rs=null"),
     "batch_normalize": ("algorithm.rollout_correction.rollout_is_batch_normalize", True, "set algorithm.rollout_correction.rollout_is_batch_normalize=false"),
     "plain_target": ("actor_rollout_ref.actor.policy_loss._target_", "verl.workers.config.PolicyLossConfig",
-                     "set actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig"),
+                     "set actor_rollout_ref.actor.policy_loss._target_=qurl_verl.settings.loss_config.QurlPolicyLossConfig"),
     "c_below_one": ("actor_rollout_ref.actor.policy_loss.is_cap", 0.5, "set actor_rollout_ref.actor.policy_loss.is_cap=2.0"),
     "cap_below_eps_high": ("actor_rollout_ref.actor.policy_loss.acr_upper_cap", 1.1, "1 + clip_ratio_high = 1.28"),
 }

@@ -13,7 +13,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.losses import ppo_loss
 
 from qurl_verl.losses import verl_losses
-from qurl_verl.losses.config import QurlPolicyLossConfig
+from qurl_verl.settings.loss_config import QurlPolicyLossConfig
 
 EPS_LOW, EPS_HIGH, DUAL_C, C = 0.2, 0.28, 3.0, 2.0
 
@@ -21,7 +21,7 @@ QURL_OVERRIDES = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.losses.config.QurlPolicyLossConfig",
+    "actor_rollout_ref.actor.policy_loss._target_=qurl_verl.settings.loss_config.QurlPolicyLossConfig",
     f"+actor_rollout_ref.actor.policy_loss.is_cap={C}",
     f"actor_rollout_ref.actor.clip_ratio_low={EPS_LOW}",
     f"actor_rollout_ref.actor.clip_ratio_high={EPS_HIGH}",
@@ -263,7 +263,7 @@ def test_plain_policy_loss_config_is_a_clear_error(composed):
         del node.policy_loss["is_cap"]
     config = omega_conf_to_dataclass(node)
     td, flat, _, _ = make_engine_batch(14, dp_size=1, extra_tokens=0, extra_seqs=0)
-    with pytest.raises(ValueError, match="_target_=qurl_verl.losses.config.QurlPolicyLossConfig"):
+    with pytest.raises(ValueError, match="_target_=qurl_verl.settings.loss_config.QurlPolicyLossConfig"):
         ppo_loss(config, {"log_probs": flat}, td)
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from qurl_verl.export_quantized import export_quantized_checkpoint
-from qurl_verl.quant import quantize
+from qurl_verl.quant import INT8_CHANNEL, quantize
 from qurl_verl.settings import QurlConfigError, RolloutSettings
 
 pytestmark = pytest.mark.both_stacks  # transformers' checkpoint code, whose version differs between the stacks
@@ -61,7 +61,7 @@ def test_export_equals_direct_quantization(tiny_checkpoint, tmp_path, fmt, weigh
     assert len(quantized) == 7 * 2  # 7 projections x 2 layers
     assert set(got) == set(src) | {n[: -len("weight")] + "weight_scale" for n in quantized}
     for name in quantized:
-        ref = quantize(src[name], settings.quant_format, settings.format.granularity)
+        ref = quantize(src[name], settings.quant_scheme)
         scale = got[name[: -len("weight")] + "weight_scale"]
         assert got[name].dtype == ref.data.dtype, name
         assert torch.equal(got[name].view(torch.uint8), ref.data.view(torch.uint8)), name  # fp8 too, bit for bit
@@ -98,7 +98,7 @@ def test_uaq_checkpoint_is_exported_as_it_is(tiny_checkpoint, tmp_path):
     assert uaq_record_of(tmp_path / "out") == record
     src, got = _read_all(tmp_path / "uaq"), _read_all(tmp_path / "out")
     name = "model.layers.0.self_attn.q_proj.weight"
-    assert torch.equal(got[name], quantize(src[name], "int8").data)  # the scaled weights, not undone
+    assert torch.equal(got[name], quantize(src[name], INT8_CHANNEL).data)  # the scaled weights, not undone
     assert torch.equal(got["model.layers.0.input_layernorm.weight"], src["model.layers.0.input_layernorm.weight"])
 
 
@@ -158,7 +158,7 @@ def test_moe_export_keeps_routers_and_by_default_experts_in_full_precision(tmp_p
         quantized = module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) or (
             experts == "quantized" and ".mlp.experts." in module)
         if quantized:
-            want = quantize(tensor, "int8", "channel")
+            want = quantize(tensor, INT8_CHANNEL)
             assert torch.equal(out[name], want.data) and torch.equal(out[f"{module}.weight_scale"], want.scale), name
         else:
             assert torch.equal(out[name], tensor) and f"{module}.weight_scale" not in out, name

@@ -24,7 +24,7 @@ from qurl_recipes.grpo_study import (
     sample,
 )
 from qurl_recipes.tiny_model import build_tiny_model
-from qurl_verl.quant import int_format, quantize
+from qurl_verl.quant import QuantScheme, int_format, quantize
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_quantized_rollout_holds_b_bit_codes_of_the_current_weights(tiny):
     codes = quantized_codes(build_rollout(model, VARIANTS["tis"], weight_bits=5))
     assert codes and all(int(c.abs().max()) <= 15 for c in codes.values())
     name = next(iter(codes))
-    direct = quantize(model.get_submodule(name).weight.detach(), int_format(5), "channel").data
+    direct = quantize(model.get_submodule(name).weight.detach(), QuantScheme(int_format(5))).data
     assert torch.equal(codes[name], direct)
     assert not quantized_codes(build_rollout(model, VARIANTS["bf16"], weight_bits=5))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qurl_verl.quant import INT8_CHANNEL
 from qurl_verl.quant.compressed_tensors_format import (
     FUSED_MODULES,
     compressed_tensors_config,
@@ -145,7 +146,7 @@ def test_the_emitted_config_carries_the_list_the_stream_matches():
     moe = [r"re:(?:.*\.)?mlp\.gate$", r"re:(?:.*\.)?mlp\.shared_expert_gate$", r"re:(?:.*\.)?mlp\.experts(?:\..*)?$"]
     assert emitted == ["lm_head", *moe, r"re:(?:.*\.)?down_proj$", "model.layers.0.self_attn.o_proj"]
     assert WeightStreamQuantizer(settings).ignore == tuple(emitted)
-    assert compressed_tensors_config("int8", ignore=emitted)["ignore"] == emitted  # normalizing again changes nothing
+    assert compressed_tensors_config(INT8_CHANNEL, ignore=emitted)["ignore"] == emitted  # normalizing again changes nothing
 
 
 def test_the_driver_refuses_a_fused_name_regex_before_ray_starts(tmp_path):

@@ -6,7 +6,14 @@ import math
 import pytest
 import torch
 
-from qurl_verl.quant import compressed_tensors_config, is_quantization_target, quantize_state_dict
+from qurl_verl.quant import (
+    FP8_BLOCK,
+    INT8_CHANNEL,
+    compressed_tensors_config,
+    is_quantization_target,
+    parse_scheme,
+    quantize_state_dict,
+)
 
 pytestmark = pytest.mark.both_stacks  # transformers' checkpoint code, whose version differs between the stacks
 
@@ -37,7 +44,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 @pytest.mark.parametrize("fmt,granularity", [("int8", "channel"), ("fp8", "channel"), ("fp8", "block")])
 def test_targets_get_weight_and_scale_everything_else_passes_through(fmt, granularity):
     sd = fake_llama_state_dict()
-    out = dict(quantize_state_dict(sd, fmt, granularity, ignore=("lm_head", "model.layers.1.mlp.down_proj")))
+    out = dict(quantize_state_dict(sd, parse_scheme(fmt, granularity), ignore=("lm_head", "model.layers.1.mlp.down_proj")))
     targets = {k for k in sd if k.split(".")[-2] in PROJECTIONS and k.endswith(".weight")} - {
         "model.layers.1.mlp.down_proj.weight"
     }
@@ -77,7 +84,7 @@ def test_streams_one_tensor_at_a_time():
             consumed.append(name)
             yield name, tensor
 
-    out = quantize_state_dict(stream(), "int8", "channel")
+    out = quantize_state_dict(stream(), INT8_CHANNEL)
     assert consumed == []  # lazy
     first = next(out)
     assert first[0] == "model.embed_tokens.weight" and len(consumed) == 1
@@ -97,19 +104,19 @@ def test_target_selection():
     assert is_quantization_target("model.layers.0.self_attn.qkv_proj.weight", w, targets=("qkv_proj",))
     assert is_quantization_target("anything.weight", w, targets=lambda name, t: name.startswith("any"))
     with pytest.raises(ValueError, match="INT8 block"):
-        list(quantize_state_dict({}, "int8", "block"))
+        list(quantize_state_dict({}, parse_scheme("int8", "block")))
 
 
 def test_quantization_config_top_level():
-    cfg = compressed_tensors_config("int8", "channel", ignore=("lm_head", "model.layers.0.mlp.down_proj"))
+    cfg = compressed_tensors_config(INT8_CHANNEL, ignore=("lm_head", "model.layers.0.mlp.down_proj"))
     assert cfg["quant_method"] == "compressed-tensors"
     assert cfg["format"] == "int-quantized"
     assert cfg["quantization_status"] == "compressed"
     assert cfg["ignore"] == ["lm_head", "model.layers.0.mlp.down_proj"]
     assert list(cfg["config_groups"]) == ["group_0"] and cfg["config_groups"]["group_0"]["targets"] == ["Linear"]
-    assert compressed_tensors_config("fp8", "block")["format"] == "float-quantized"
+    assert compressed_tensors_config(FP8_BLOCK)["format"] == "float-quantized"
     with pytest.raises(ValueError, match="INT8 block"):
-        compressed_tensors_config("int8", "block")
+        compressed_tensors_config(parse_scheme("int8", "block"))
 
 
 @pytest.mark.parametrize(
@@ -121,7 +128,7 @@ def test_quantization_config_matches_compressed_tensors_presets(fmt, granularity
     from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    cfg = compressed_tensors_config(fmt, granularity)
+    cfg = compressed_tensors_config(parse_scheme(fmt, granularity))
     parsed = ct.QuantizationConfig.model_validate(cfg)
     assert parsed.quantization_status == ct.QuantizationStatus.COMPRESSED
     expected_format = CompressionFormat.int_quantized if fmt == "int8" else CompressionFormat.float_quantized

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from qurl_verl.quant import FP8_E4M3, INT8, quantize
+from qurl_verl.quant import FP8_CHANNEL, FP8_E4M3, INT8, INT8_CHANNEL, parse_scheme, quantize
 from qurl_verl.quant.quantizer import MIN_SCALE
 
 pytestmark = pytest.mark.both_stacks  # torch behaviour whose version differs between the stacks
@@ -62,7 +62,7 @@ def not_near_tie(v: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
 )
 def test_int8_channel_matches_float64_reference(shape, dtype):
     w = randw(*shape, dtype=dtype)
-    q = quantize(w, "int8", "channel")
+    q = quantize(w, INT8_CHANNEL)
     w64 = w.to(torch.float64)
     scale_ref = w64.abs().amax(dim=1, keepdim=True) / 127
     assert q.data.dtype == torch.int8 and q.scale.dtype == torch.float32 and q.scale.shape == (shape[0], 1)
@@ -80,7 +80,7 @@ def test_int8_channel_matches_float64_reference(shape, dtype):
 def test_fp8_channel_codes_and_error_bound(shape):
     w = randw(*shape, seed=1)
     w[1, 10:30] = torch.linspace(-3e-6, 3e-6, 20)  # codes in E4M3's subnormal range
-    q = quantize(w, "fp8", "channel")
+    q = quantize(w, FP8_CHANNEL)
     w64 = w.to(torch.float64)
     scale = q.scale.to(torch.float64)
     torch.testing.assert_close(scale, w64.abs().amax(dim=1, keepdim=True) / 448, rtol=2**-23, atol=0)
@@ -103,7 +103,7 @@ def test_fp8_channel_codes_and_error_bound(shape):
 @pytest.mark.parametrize("shape", [(300, 200), (128, 256), (896, 896)])
 def test_block_scales_and_partial_edge_blocks(fmt, qmax, shape):
     w = randw(*shape, seed=2)
-    q = quantize(w, fmt, "block")
+    q = quantize(w, parse_scheme(fmt, "block"))
     w64 = w.to(torch.float64)
     scale_ref = ref_block_scales(w64, qmax)
     assert q.data.shape == shape and q.scale.shape == scale_ref.shape
@@ -123,10 +123,10 @@ def test_block_scales_and_partial_edge_blocks(fmt, qmax, shape):
 def test_activation_token_and_group_granularities(fmt, qmax):
     x = randw(3, 5, 200, seed=3, std=1.0)
     x64 = x.to(torch.float64)
-    qt = quantize(x, fmt, "token")
+    qt = quantize(x, parse_scheme(fmt, "token"))
     assert qt.data.shape == x.shape and qt.scale.shape == (3, 5, 1)
     torch.testing.assert_close(qt.scale.to(torch.float64), x64.abs().amax(-1, keepdim=True) / qmax, rtol=2**-23, atol=0)
-    qg = quantize(x, fmt, "group")
+    qg = quantize(x, parse_scheme(fmt, "group"))
     assert qg.scale.shape == (3, 5, 2)  # 200 = one full group of 128 + a partial group of 72
     torch.testing.assert_close(qg.scale[..., 0].to(torch.float64), x64[..., :128].abs().amax(-1) / qmax, rtol=2**-23, atol=0)
     torch.testing.assert_close(qg.scale[..., 1].to(torch.float64), x64[..., 128:].abs().amax(-1) / qmax, rtol=2**-23, atol=0)
@@ -143,7 +143,7 @@ def test_zero_and_tiny_groups_give_exact_zeros_and_finite_scales(fmt, granularit
     w[5] = 0.0  # a zero row
     w[128:, 128:] = 0.0  # a zero 128x128 block
     w[7] = 1e-41  # subnormal float32: absmax / qmax underflows to 0
-    q = quantize(w, fmt, granularity)
+    q = quantize(w, parse_scheme(fmt, granularity))
     deq = q.dequantize(torch.float32)
     assert torch.isfinite(q.scale).all() and (q.scale >= MIN_SCALE).all()
     assert (deq[5] == 0).all() and (q.data[5].to(torch.float32) == 0).all()
@@ -151,7 +151,7 @@ def test_zero_and_tiny_groups_give_exact_zeros_and_finite_scales(fmt, granularit
     assert torch.isfinite(deq).all()
     assert ((deq[7].double() - 1e-41).abs() <= MIN_SCALE).all()
     # Untouched rows quantize exactly as they would alone.
-    alone = quantize(w[:5].clone(), fmt, granularity) if granularity == "channel" else None
+    alone = quantize(w[:5].clone(), parse_scheme(fmt, granularity)) if granularity == "channel" else None
     if alone is not None:
         assert torch.equal(q.data[:5].view(torch.uint8), alone.data.view(torch.uint8))
 
@@ -162,39 +162,39 @@ def test_non_finite_values_raise_with_the_tensor_name(granularity, bad):
     w = randw(16, 160)
     w[3, 150] = bad
     with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.weight"):
-        quantize(w, "int8", granularity, name="model.layers.0.mlp.up_proj.weight")
+        quantize(w, parse_scheme("int8", granularity), name="model.layers.0.mlp.up_proj.weight")
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block"])
 @pytest.mark.parametrize("shape", [(64,), (2, 8, 16)])
 def test_weight_granularities_reject_non_2d(granularity, shape):
     with pytest.raises(ValueError, match="2-D"):
-        quantize(torch.randn(*shape), "int8", granularity, name="w")
+        quantize(torch.randn(*shape), parse_scheme("int8", granularity), name="w")
 
 
 def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="format"):
-        quantize(torch.randn(4, 4), "int3", "channel")
+        quantize(torch.randn(4, 4), parse_scheme("int3", "channel"))
     with pytest.raises(ValueError, match="granularity"):
-        quantize(torch.randn(4, 4), "int8", "row")
+        quantize(torch.randn(4, 4), parse_scheme("int8", "row"))
     with pytest.raises(TypeError):
-        quantize(torch.ones(4, 4, dtype=torch.int32), "int8", "channel")
+        quantize(torch.ones(4, 4, dtype=torch.int32), INT8_CHANNEL)
     with pytest.raises(ValueError, match="empty"):
-        quantize(torch.randn(0, 4), "int8", "channel")
+        quantize(torch.randn(0, 4), INT8_CHANNEL)
 
 
 def test_scales_come_from_the_float32_upcast_of_low_precision_inputs():
     w = randw(64, 96, seed=5)
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         low = w.to(dtype)
-        a, b = quantize(low, "int8", "channel"), quantize(low.to(torch.float32), "int8", "channel")
+        a, b = quantize(low, INT8_CHANNEL), quantize(low.to(torch.float32), INT8_CHANNEL)
         assert torch.equal(a.scale, b.scale) and torch.equal(a.data, b.data)
 
 
 def test_int8_grid_is_symmetric():
     w = randw(50, 70, seed=6)
-    assert torch.equal(quantize(-w, "int8", "channel").data, -quantize(w, "int8", "channel").data)
-    assert quantize(w, "int8", "channel").data.min() >= -127
+    assert torch.equal(quantize(-w, INT8_CHANNEL).data, -quantize(w, INT8_CHANNEL).data)
+    assert quantize(w, INT8_CHANNEL).data.min() >= -127
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -202,15 +202,15 @@ def test_int8_grid_is_symmetric():
 def test_scale_equivariance(fmt, granularity):
     """Q(w / s) has the codes of Q(w) and scale / s: why UAQ leaves the quantized forward unchanged."""
     w = randw(256, 320, seed=7)
-    base = quantize(w, fmt, granularity)
+    base = quantize(w, parse_scheme(fmt, granularity))
     # Power of two: dividing is exact in float32, so codes and scales match bit for bit.
-    halved = quantize(w / 2, fmt, granularity)
+    halved = quantize(w / 2, parse_scheme(fmt, granularity))
     assert torch.equal(halved.data.view(torch.uint8), base.data.view(torch.uint8))
     assert torch.equal(halved.scale * 2, base.scale)
     # s = 1.5: w / s and absmax / s each round once, so a code can differ only where w/scale sits
     # within a float32 ulp of a rounding tie; scales agree to float32 precision.
     s = 1.5
-    scaled = quantize(w / s, fmt, granularity)
+    scaled = quantize(w / s, parse_scheme(fmt, granularity))
     torch.testing.assert_close(scaled.scale.double() * s, base.scale.double(), rtol=3e-7, atol=0)
     mismatch = (scaled.data.view(torch.uint8) != base.data.view(torch.uint8)).double().mean().item()
     assert mismatch < 1e-4
@@ -223,7 +223,7 @@ def test_quant_package_imports_only_torch_and_safetensors():
 
     import qurl_verl.quant as pkg
 
-    allowed = {"torch", "safetensors", "__future__", "argparse", "collections", "dataclasses", "functools", "json", "math",
+    allowed = {"torch", "safetensors", "__future__", "argparse", "collections", "dataclasses", "enum", "functools", "json", "math",
                "re", "shutil", "sys", "pathlib", "typing"}
     for path in Path(pkg.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -240,7 +240,7 @@ def test_quant_package_imports_only_torch_and_safetensors():
 def test_b_bit_codes_match_a_float64_reference(bits):
     """W{b}A8 weights: codes round(w / s) within ±(2^(b-1)-1), s = absmax / (2^(b-1)-1), stored as int8."""
     w = randw(48, 80, seed=bits)
-    q = quantize(w, f"int{bits}", "channel")
+    q = quantize(w, parse_scheme(f"int{bits}", "channel"))
     qmax = 2 ** (bits - 1) - 1
     w64 = w.double()
     scale = w64.abs().amax(dim=1, keepdim=True) / qmax
@@ -259,3 +259,27 @@ def test_b_bit_activations_stay_8_bit():
     assert activation_format(FP8_E4M3) is FP8_E4M3
     with pytest.raises(ValueError, match="4..8 bits"):
         int_format(9)
+
+
+def test_one_scheme_type_strings_only_through_parse_scheme():
+    """``QuantScheme`` is the one argument of the quant API: typed codes and granularity, names read by
+    ``parse_scheme`` alone (command lines, config values)."""
+    from qurl_verl.quant import FP8_BLOCK, FP8_GROUP, INT8_TOKEN, Granularity, QuantScheme, int_format
+
+    assert parse_scheme("int8") == INT8_CHANNEL == QuantScheme(INT8, Granularity.CHANNEL)
+    assert parse_scheme("FP8_E4M3", "block") == FP8_BLOCK and parse_scheme(INT8, "token") == INT8_TOKEN
+    assert parse_scheme("int5").codes == int_format(5) and parse_scheme("fp8", "block", 64).block_size == 64
+    assert FP8_BLOCK.activations == FP8_GROUP and parse_scheme("int4").activations == INT8_TOKEN  # W{b}A8
+    with pytest.raises(ValueError, match="activation granularity"):
+        _ = INT8_TOKEN.activations
+    with pytest.raises(TypeError, match="parse_scheme"):
+        QuantScheme("int8")
+    with pytest.raises(TypeError, match="parse_scheme"):
+        QuantScheme(INT8, "channel")
+    with pytest.raises(ValueError, match="block_size"):
+        QuantScheme(INT8, Granularity.BLOCK, 0)
+    with pytest.raises(TypeError, match="QuantScheme"):
+        quantize(torch.randn(4, 4), "int8")
+    q = quantize(torch.randn(4, 4), FP8_CHANNEL)
+    assert (q.scheme, q.fmt, q.granularity, q.block_size) == (FP8_CHANNEL, FP8_E4M3, Granularity.CHANNEL, 128)
+    assert str(FP8_BLOCK) == "fp8 per block, block_size=128" and hash(FP8_BLOCK) == hash(parse_scheme("fp8", "block"))

@@ -6,9 +6,12 @@ import torch
 from torch import nn
 
 from qurl_verl.quant import (
+    INT8_CHANNEL,
+    INT8_TOKEN,
     W8A8Linear,
     fp8_scaled_matmul,
     int8_matmul_accumulate,
+    parse_scheme,
     quantize,
     quantize_linear_modules_,
     quantize_state_dict,
@@ -82,7 +85,7 @@ CASES = [("int8", "channel"), ("int8", "block"), ("fp8", "channel"), ("fp8", "bl
 @pytest.mark.parametrize("m,k,n", [(1, 64, 48), (6, 300, 200), (3, 896, 256)])
 def test_fast_path_matches_reference_and_unquantized_product(fmt, granularity, m, k, n):
     x, w, bias = rand(2, m, k, seed=7), rand(n, k, seed=8, std=0.02), rand(n, seed=9, std=0.1)
-    qw = quantize(w, fmt, granularity)
+    qw = quantize(w, parse_scheme(fmt, granularity))
     out = w8a8_linear(x, qw, bias=bias)
     ref = w8a8_linear_reference(x, qw, bias=bias)
     assert out.shape == (2, m, n) and out.dtype == torch.float32
@@ -91,7 +94,7 @@ def test_fast_path_matches_reference_and_unquantized_product(fmt, granularity, m
 
     # Against the unquantized float64 product: |x^ w^ - x w| <= sum_k |ex||w| + |x||ew| + |ex||ew|.
     x64, w64 = x.double(), w.double()
-    qx = quantize(x, fmt, "token" if granularity == "channel" else "group")
+    qx = quantize(x, parse_scheme(fmt, "token" if granularity == "channel" else "group"))
     ex, ew = elementwise_error_bound(qx, x64), elementwise_error_bound(qw, w64)
     bound = ex @ w64.abs().t() + x64.abs() @ ew.t() + ex @ ew.t()
     exact = x64 @ w64.t() + bias.double()
@@ -103,11 +106,11 @@ def test_output_dtype_follows_input_and_zero_tokens_give_bias():
     w, bias = rand(32, 64, seed=10, std=0.02), rand(32, seed=11)
     x = rand(4, 64, seed=12).to(torch.bfloat16)
     x[2] = 0
-    out = w8a8_linear(x, quantize(w, "int8", "channel"), bias=bias)
+    out = w8a8_linear(x, quantize(w, INT8_CHANNEL), bias=bias)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out[2], bias.to(torch.bfloat16))
     with pytest.raises(ValueError, match="features"):
-        w8a8_linear(rand(4, 63), quantize(w, "int8", "channel"))
+        w8a8_linear(rand(4, 63), quantize(w, INT8_CHANNEL))
 
 
 def vllm_w8a8_int8(x, w, bias):
@@ -126,7 +129,7 @@ def test_w8a8_linear_module_mimics_vllm_int8(fake):
     with torch.no_grad():
         linear.weight.copy_(rand(40, 96, seed=13, std=0.05))
         linear.bias.copy_(rand(40, seed=14, std=0.1))
-    layer = W8A8Linear.from_linear(linear, "int8", "channel", fake=fake)
+    layer = W8A8Linear.from_linear(linear, INT8_CHANNEL, fake=fake)
     x = rand(3, 7, 96, seed=15)
     ref = vllm_w8a8_int8(x, linear.weight.detach(), linear.bias.detach())
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
@@ -143,8 +146,8 @@ def test_w8a8_linear_module_mimics_vllm_int8(fake):
 @pytest.mark.parametrize("fmt,granularity", CASES[1:])
 def test_w8a8_linear_module_real_and_fake_agree(fmt, granularity):
     linear = nn.Linear(200, 136, bias=False)
-    real = W8A8Linear.from_linear(linear, fmt, granularity)
-    fake = W8A8Linear.from_linear(linear, fmt, granularity, fake=True)
+    real = W8A8Linear.from_linear(linear, parse_scheme(fmt, granularity))
+    fake = W8A8Linear.from_linear(linear, parse_scheme(fmt, granularity), fake=True)
     x = rand(5, 200, seed=16)
     a, b = real(x).double(), fake(x).double()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
@@ -154,7 +157,7 @@ def test_module_swap_matches_compressed_tensors_emission(tiny_causal_lm):
     model = tiny_causal_lm("qwen2")
     original = {k: v.clone() for k, v in model.state_dict().items()}
     ignore = ("lm_head", "model.layers.1.mlp.down_proj")
-    quantize_linear_modules_(model, "int8", "channel", ignore=ignore)
+    quantize_linear_modules_(model, INT8_CHANNEL, ignore=ignore)
     swapped = {n for n, m in model.named_modules() if isinstance(m, W8A8Linear)}
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     expected = {
@@ -164,7 +167,7 @@ def test_module_swap_matches_compressed_tensors_emission(tiny_causal_lm):
     } - {"model.layers.1.mlp.down_proj"}
     assert swapped == expected
     assert isinstance(model.lm_head, nn.Linear) and not isinstance(model.lm_head, W8A8Linear)
-    emitted = dict(quantize_state_dict(original, "int8", "channel", ignore=ignore))
+    emitted = dict(quantize_state_dict(original, INT8_CHANNEL, ignore=ignore))
     state = model.state_dict()
     assert set(emitted) == set(state)
     for name, tensor in emitted.items():
@@ -178,8 +181,8 @@ def test_b_bit_weights_through_the_int8_kernel_equal_the_exact_product(bits):
 
     g = torch.Generator().manual_seed(bits)
     w, x = torch.randn(24, 64, generator=g), torch.randn(5, 64, generator=g)
-    qw = quantize(w, f"int{bits}", "channel")
-    qx = quantize(x, "int8", "token")  # activations stay 8-bit
+    qw = quantize(w, parse_scheme(f"int{bits}", "channel"))
+    qx = quantize(x, INT8_TOKEN)  # activations stay 8-bit
     exact = (qx.data.double() @ qw.data.double().T) * qx.scale.double() * qw.scale.double().T
     out = w8a8_linear(x, qw, out_dtype=torch.float64)
     # float32 rescaling of an exact int32 sum: two float32 roundings relative to the output

@@ -6,7 +6,15 @@ import math
 import pytest
 import torch
 
-from qurl_verl.quant import UpdateVisibilityTracker, quantize, tensor_update_stats, update_visibility
+from qurl_verl.quant import (
+    FP8_CHANNEL,
+    INT8_CHANNEL,
+    UpdateVisibilityTracker,
+    parse_scheme,
+    quantize,
+    tensor_update_stats,
+    update_visibility,
+)
 
 
 def weights(seed=0, layers=2):
@@ -33,7 +41,7 @@ def ref_int8_codes(w64):
 def test_int8_stats_match_float64_recomputation():
     prev = weights()["model.layers.0.mlp.down_proj.weight"]
     new = adam_like_step({"w": prev}, 2e-4)["w"]
-    stats = tensor_update_stats(prev, new, "int8", "channel").as_dict()
+    stats = tensor_update_stats(prev, new, INT8_CHANNEL).as_dict()
     p64, n64 = prev.double(), new.double()
     (cp, sp), (cn, _) = ref_int8_codes(p64), ref_int8_codes(n64)
     changed_ref = (cp != cn).double().mean().item()
@@ -50,7 +58,7 @@ def test_int8_stats_match_float64_recomputation():
 def test_no_update_means_nothing_changed():
     w = weights()["model.layers.0.self_attn.q_proj.weight"]
     for fmt in ("int8", "fp8"):
-        s = tensor_update_stats(w, w.clone(), fmt, "channel").as_dict()
+        s = tensor_update_stats(w, w.clone(), parse_scheme(fmt, "channel")).as_dict()
         assert s["changed_fraction"] == 0 and s["update_norm"] == 0 and s["update_to_error_ratio"] == 0
         assert s["quant_error_norm"] > 0
 
@@ -60,18 +68,18 @@ def test_fp8_signed_zeros_are_not_changes():
     prev[:, 0] = 0.1
     new = prev.clone()
     prev[:, 1], new[:, 1] = -1e-9, 1e-9  # both round to zero, with opposite signs
-    qp, qn = quantize(prev, "fp8", "channel"), quantize(new, "fp8", "channel")
+    qp, qn = quantize(prev, FP8_CHANNEL), quantize(new, FP8_CHANNEL)
     assert (qp.data.view(torch.uint8)[:, 1] != qn.data.view(torch.uint8)[:, 1]).all()
-    assert tensor_update_stats(prev, new, "fp8", "channel").changed_codes == 0
+    assert tensor_update_stats(prev, new, FP8_CHANNEL).changed_codes == 0
     new[:, 2] = 0.05  # a real change
-    assert tensor_update_stats(prev, new, "fp8", "channel").changed_codes == 2
+    assert tensor_update_stats(prev, new, FP8_CHANNEL).changed_codes == 2
 
 
 @pytest.mark.parametrize("fmt,granularity", [("int8", "channel"), ("fp8", "channel"), ("fp8", "block")])
 def test_aggregates_pool_counts_and_squared_norms(fmt, granularity):
     prev = weights()
     new = adam_like_step(prev, 1e-4)
-    report = update_visibility(prev, new, fmt, granularity)
+    report = update_visibility(prev, new, parse_scheme(fmt, granularity))
     per = report["per_tensor"]
     assert set(per) == {k for k in prev if k.endswith("proj.weight")}  # norms and lm_head skipped
     changed = sum(v["changed_fraction"] * v["numel"] for v in per.values())
@@ -101,17 +109,17 @@ def test_tracker_reports_step_to_step_changes():
     steps = [weights()]
     steps.append(adam_like_step(steps[0], 1e-4, seed=2))
     steps.append(adam_like_step(steps[1], 3e-4, seed=3))
-    tracker = UpdateVisibilityTracker("int8", "channel")
+    tracker = UpdateVisibilityTracker(INT8_CHANNEL)
     for name, w in steps[0].items():
         assert tracker.observe(name, w) is None
     assert tracker.end_step()["overall"]["numel"] == 0
     for prev, new in zip(steps, steps[1:]):
         for name, w in new.items():
-            q = quantize(w, "int8", "channel") if "q_proj" in name else None  # reuse a quantization already done
+            q = quantize(w, INT8_CHANNEL) if "q_proj" in name else None  # reuse a quantization already done
             tracker.observe(name, w, quantized=q)
         got = tracker.end_step()
         assert got.pop("tracker")["row_stride"] == 1
-        assert got == update_visibility(prev, new, "int8", "channel")
+        assert got == update_visibility(prev, new, INT8_CHANNEL)
 
 
 @pytest.mark.parametrize("granularity,block_size", [("channel", 128), ("block", 16)])
@@ -120,10 +128,10 @@ def test_row_sampling_equals_statistics_of_the_sampled_rows(granularity, block_s
     prev = weights()
     new = adam_like_step(prev, 1e-4)
     stride = 3
-    tracker = UpdateVisibilityTracker("fp8", granularity, block_size=block_size, row_stride=stride)
+    tracker = UpdateVisibilityTracker(parse_scheme("fp8", granularity, block_size), row_stride=stride)
     for sd in (prev, new):
         for name, w in sd.items():
-            q = quantize(w, "fp8", granularity, block_size=block_size) if pass_quantized and w.dim() == 2 else None
+            q = quantize(w, parse_scheme("fp8", granularity, block_size)) if pass_quantized and w.dim() == 2 else None
             tracker.observe(name, w, quantized=q)
     got = tracker.end_step()
     assert got.pop("tracker")["row_stride"] == stride
@@ -134,10 +142,9 @@ def test_row_sampling_equals_statistics_of_the_sampled_rows(granularity, block_s
         keep = [r for r in range(w.shape[0]) if (r if granularity == "channel" else r // block_size) % stride == 0]
         return w[keep]
 
-    expected = update_visibility({k: rows(v) for k, v in prev.items()}, {k: rows(v) for k, v in new.items()},
-                                 "fp8", granularity, block_size=block_size)
+    expected = update_visibility({k: rows(v) for k, v in prev.items()}, {k: rows(v) for k, v in new.items()}, parse_scheme("fp8", granularity, block_size))
     assert got == expected
-    full = update_visibility(prev, new, "fp8", granularity, block_size=block_size)["overall"]["numel"]
+    full = update_visibility(prev, new, parse_scheme("fp8", granularity, block_size))["overall"]["numel"]
     assert got["overall"]["numel"] < full / 2
 
 
@@ -194,7 +201,7 @@ def test_state_is_compact_cpu_memory_that_outlives_the_transport_buffer(dtype):
     prev, new = weights(), adam_like_step(weights(), 1e-4)
     prev, new = ({k: v.to(dtype) for k, v in sd.items()} for sd in (prev, new))
     buffer = torch.empty(sum(v.numel() for v in prev.values()) + 7, dtype=dtype)
-    tracker = UpdateVisibilityTracker("int8", "channel", row_stride=3)
+    tracker = UpdateVisibilityTracker(INT8_CHANNEL, row_stride=3)
     for sd in (prev, new):
         offset = 7  # views at an offset, as in a bucket
         for name, w in sd.items():
@@ -220,10 +227,10 @@ def test_state_is_compact_cpu_memory_that_outlives_the_transport_buffer(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_state_stays_on_cpu_when_weights_arrive_on_the_gpu():
     prev, new = weights(), adam_like_step(weights(), 1e-4)
-    on_gpu, on_cpu = (UpdateVisibilityTracker("int8", "channel", row_stride=2) for _ in range(2))
+    on_gpu, on_cpu = (UpdateVisibilityTracker(INT8_CHANNEL, row_stride=2) for _ in range(2))
     for sd in (prev, new):
         for name, w in sd.items():
-            on_gpu.observe(name, w.cuda(), quantize(w.cuda(), "int8", "channel") if w.dim() == 2 else None)
+            on_gpu.observe(name, w.cuda(), quantize(w.cuda(), INT8_CHANNEL) if w.dim() == 2 else None)
             on_cpu.observe(name, w)
     got, want = on_gpu.end_step(), on_cpu.end_step()
     assert {t.device.type for t in held_tensors(on_gpu)} == {"cpu"}
@@ -240,7 +247,7 @@ def direct_stats(prev, new, stride, fmt, granularity, block_size):
     for name, p in prev.items():
         if not name.endswith("proj.weight"):
             continue
-        qp, qn = (quantize(w, fmt, granularity, block_size=block_size) for w in (p, new[name]))
+        qp, qn = (quantize(w, parse_scheme(fmt, granularity, block_size)) for w in (p, new[name]))
         keep = kept_rows(p.shape[0], stride, granularity, block_size)
         cp, cn = qp.data[keep].view(torch.uint8), qn.data[keep].view(torch.uint8)
         signed_zero = ((cp | cn) & 0x7F) == 0 if fmt == "fp8" else torch.zeros_like(cp, dtype=torch.bool)
@@ -264,8 +271,7 @@ def test_cap_picks_the_smallest_fitting_stride_never_exceeds_it_and_keeps_stats_
     cap = (expected_bytes(prev, 8, granularity, block_size) + expected_bytes(prev, 4, granularity, block_size)) // 2
     want_stride = next(s for s in strides if expected_bytes(prev, s, granularity, block_size) <= cap)
     assert want_stride == 8
-    tracker = UpdateVisibilityTracker(fmt, granularity, block_size=block_size, row_stride=requested,
-                                      max_resident_bytes=cap)
+    tracker = UpdateVisibilityTracker(parse_scheme(fmt, granularity, block_size), row_stride=requested, max_resident_bytes=cap)
     seen_strides = set()
     for sd in (prev, new):
         for name, w in sd.items():
@@ -297,7 +303,7 @@ def test_the_stride_rises_for_a_wider_dtype_and_untracked_tensors_are_counted():
     bf16 = uneven_weights(dtype=torch.bfloat16)
     fp32 = {k: v.float() + 1e-4 for k, v in bf16.items()}
     cap = expected_bytes(bf16, 1)  # all of bf16 at stride 1, not of fp32
-    tracker = UpdateVisibilityTracker("int8", "channel", max_resident_bytes=cap)
+    tracker = UpdateVisibilityTracker(INT8_CHANNEL, max_resident_bytes=cap)
     for sd in (bf16, fp32):
         for name, w in sd.items():
             tracker.observe(name, w)
@@ -307,7 +313,7 @@ def test_the_stride_rises_for_a_wider_dtype_and_untracked_tensors_are_counted():
     assert len(got["per_tensor"]) == 12  # compared at stride 1 before the rise, at 2 after
 
     one_row = 100 * 5  # the widest row of the down projections, fp32 + codes
-    small = UpdateVisibilityTracker("int8", "channel", max_resident_bytes=one_row + 40 * 5)
+    small = UpdateVisibilityTracker(INT8_CHANNEL, max_resident_bytes=one_row + 40 * 5)
     for sd in (fp32, adam_like_step(fp32, 1e-4)):
         for name, w in sd.items():
             small.observe(name, w)

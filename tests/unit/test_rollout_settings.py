@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from qurl_verl import driver
 from qurl_verl.platform.host import Host
+from qurl_verl.quant import FP8_BLOCK, FP8_CHANNEL, INT8_CHANNEL, Granularity, QuantScheme, int_format, parse_scheme
 from qurl_verl.rollout.engine_checks import check_cpu_rollout_format
 from qurl_verl.settings import QurlConfigError, RolloutSettings
 
@@ -35,18 +36,18 @@ def rollout_node(quantization=None, qurl=None):
 
 
 @pytest.mark.parametrize(
-    "value, fmt, quant, granularity",
+    "value, fmt, scheme",
     [
-        (None, "int8", "int8", "channel"),  # rollout.name=qurl_vllm alone means INT8
-        ("int8", "int8", "int8", "channel"),
-        ("FP8", "fp8", "fp8", "channel"),
-        ("fp8_block", "fp8_block", "fp8", "block"),
-        ("bf16", "bf16", None, None),
+        (None, "int8", INT8_CHANNEL),  # rollout.name=qurl_vllm alone means INT8
+        ("int8", "int8", INT8_CHANNEL),
+        ("FP8", "fp8", FP8_CHANNEL),
+        ("fp8_block", "fp8_block", FP8_BLOCK),
+        ("bf16", "bf16", None),
     ],
 )
-def test_format_comes_from_rollout_quantization(value, fmt, quant, granularity):
+def test_format_comes_from_rollout_quantization(value, fmt, scheme):
     s = RolloutSettings.from_rollout_config(rollout_node(value))
-    assert (s.format, s.format.engine_codes, s.format.granularity) == (fmt, quant, granularity)
+    assert (s.format, s.format.engine_scheme, s.quant_scheme) == (fmt, scheme, scheme)
 
 
 def test_int8_engine_config_is_compressed_tensors_w8a8_per_channel_per_token():
@@ -180,7 +181,8 @@ def test_code_change_row_stride_must_be_a_count():
 @pytest.mark.parametrize("bits", [4, 7, 8])
 def test_weight_bits_select_the_integer_code_width(bits):
     s = RolloutSettings.from_rollout_config(rollout_node("int8", {"weight_bits": bits}))
-    assert (s.weight_bits, s.quant_format) == (bits, f"int{bits}")
+    assert (s.weight_bits, s.quant_scheme) == (bits, QuantScheme(int_format(bits), Granularity.CHANNEL))
+    assert s.quant_scheme == parse_scheme(f"int{bits}", "channel")
     # the engine runs the same INT8 W8A8 kernel for every width: its config does not change
     assert s.quantization_config() == RolloutSettings(format="int8").quantization_config()
     assert through_the_engine(s) == s

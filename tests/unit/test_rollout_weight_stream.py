@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl_verl.quant import UpdateVisibilityTracker, quantize, update_visibility
+from qurl_verl.quant import INT8_CHANNEL, UpdateVisibilityTracker, quantize, update_visibility
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 from qurl_verl.settings import RolloutSettings
 from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES, tied_output_embedding
@@ -40,7 +40,7 @@ def test_int8_quantizes_exactly_the_decoder_projections(state):
     for name, t in state.items():
         module = name.removesuffix(".weight")
         if name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJ:
-            q = quantize(t, "int8", "channel")
+            q = quantize(t, INT8_CHANNEL)
             assert out[name].dtype == torch.int8 and torch.equal(out[name], q.data)
             assert out[module + ".weight_scale"].dtype == torch.float32
             assert torch.equal(out[module + ".weight_scale"], q.scale) and q.scale.shape == (t.shape[0], 1)
@@ -85,7 +85,7 @@ def test_bf16_format_quantizes_nothing(state):
 def test_already_quantized_weights_pass_unchanged(state):
     """A trainer that quantized on its side sends codes + scales; they are loaded as they are."""
     w = state["model.layers.0.self_attn.q_proj.weight"]
-    q = quantize(w, "int8", "channel")
+    q = quantize(w, INT8_CHANNEL)
     sent = [("model.layers.0.self_attn.q_proj.weight", q.data), ("model.layers.0.self_attn.q_proj.weight_scale", q.scale)]
     out = dict(WeightStreamQuantizer(RolloutSettings(format="int8")).transform(sent))
     assert torch.equal(out["model.layers.0.self_attn.q_proj.weight"], q.data)
@@ -114,7 +114,7 @@ def test_tracker_sees_the_codes_the_engine_gets(state):
     """Two syncs through one stream tracker: the code-change rate is quant's own count on the
     sampled rows, computed without a second quantization."""
     s = RolloutSettings(format="int8")
-    tracker = UpdateVisibilityTracker("int8", "channel", ignore=s.ignore, row_stride=2)
+    tracker = UpdateVisibilityTracker(INT8_CHANNEL, ignore=s.ignore, row_stride=2)
     gen = torch.Generator().manual_seed(0)
     stepped = {k: v + 0.002 * torch.randn(v.shape, generator=gen) for k, v in state.items()}
     WeightStreamQuantizer(s, tracker=tracker).transform(state.items())
@@ -122,7 +122,7 @@ def test_tracker_sees_the_codes_the_engine_gets(state):
     WeightStreamQuantizer(s, tracker=tracker).transform(stepped.items())
     got = tracker.end_step()["overall"]
     rows = lambda w: {n: t[::2] if t.dim() == 2 else t for n, t in w.items()}  # noqa: E731
-    want = update_visibility(rows(state), rows(stepped), "int8", "channel")["overall"]
+    want = update_visibility(rows(state), rows(stepped), INT8_CHANNEL)["overall"]
     assert got["changed_fraction"] == want["changed_fraction"] and 0 < got["changed_fraction"] < 1
     assert got["update_to_error_ratio"] == pytest.approx(want["update_to_error_ratio"], rel=1e-6)
 

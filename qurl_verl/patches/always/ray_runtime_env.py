@@ -18,7 +18,7 @@ in ``ray_kwargs.ray_init.runtime_env.env_vars`` still wins: verl merges it over 
 The same call is also the one place every verl 0.9.1 entry point passes in the driver before Ray starts:
 ``fully_async_policy.fully_async_main`` calls ``run_ppo`` without verl's ``validate_config``, so neither the
 qurl checks nor UAQ would run. For a qurl config the driver's hook has not prepared
-(``qurl_verl.driver.ensure_prepared``), the wrapper runs it first; after ``main_ppo``'s ``validate_config``
+(the driver's ``ensure_prepared``, which the plugin hands to ``apply``), the wrapper runs it first; after ``main_ppo``'s ``validate_config``
 it does nothing more.
 
 When: in every process that imports verl (the plugin), whether or not verl's module is imported
@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from qurl_verl.patches.contract import Patch, wrap_once
 from qurl_verl.patches.on_import import patch_now_or_on_import
@@ -52,24 +52,27 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def forwarding_for(original):
-    @functools.wraps(original)
-    def get_ppo_ray_runtime_env(config=None, *args, **kwargs):
-        if config is not None and uses_qurl(config):
-            from qurl_verl.driver import ensure_prepared
+def forwarding_for(prepare: Callable[[object], None]):
+    """``wrapper_for`` of ``wrap_once``: ``get_ppo_ray_runtime_env`` that first runs ``prepare`` (the driver's
+    ``ensure_prepared``, handed in by the plugin) and then adds the forwarded variables, for a qurl config."""
+    def wrapper_for(original):
+        @functools.wraps(original)
+        def get_ppo_ray_runtime_env(config=None, *args, **kwargs):
+            if config is not None and uses_qurl(config):
+                prepare(config)  # the checks and UAQ, where the entry point skipped validate_config
+            runtime_env = original(config, *args, **kwargs)
+            if config is not None and uses_qurl(config):
+                runtime_env.setdefault("env_vars", {}).update(forwarded_env(os.environ))
+            return runtime_env
 
-            ensure_prepared(config)  # the checks and UAQ, where the entry point skipped validate_config
-        runtime_env = original(config, *args, **kwargs)
-        if config is not None and uses_qurl(config):
-            runtime_env.setdefault("env_vars", {}).update(forwarded_env(os.environ))
-        return runtime_env
+        return get_ppo_ray_runtime_env
 
-    return get_ppo_ray_runtime_env
+    return wrapper_for
 
 
-def patch_runtime_env(module) -> str:
+def patch_runtime_env(module, prepare: Callable[[object], None]) -> str:
     """Wrap ``get_ppo_ray_runtime_env`` in verl's module and in ``main_ppo`` if it already bound the name."""
-    did = [wrap_once(module, "get_ppo_ray_runtime_env", forwarding_for, _MARK)]
+    did = [wrap_once(module, "get_ppo_ray_runtime_env", forwarding_for(prepare), _MARK)]
     main_ppo = sys.modules.get("verl.trainer.main_ppo")
     bound = getattr(main_ppo, "get_ppo_ray_runtime_env", None)
     if bound is not None and bound is not module.get_ppo_ray_runtime_env:
@@ -84,9 +87,10 @@ PATCH = Patch(
     package="verl",
     versions=("0.9.1",),
     when="in every process that imports verl; adds variables only for a config that uses qurl-verl",
-    change=lambda: patch_now_or_on_import(TARGET_MODULE, patch_runtime_env),
+    change=lambda prepare: patch_now_or_on_import(TARGET_MODULE, functools.partial(patch_runtime_env, prepare=prepare)),
 )
 
 
-def apply() -> str:
-    return PATCH.apply()
+def apply(prepare: Callable[[object], None]) -> str:
+    """``prepare``: the driver's ``ensure_prepared`` (the plugin passes it; the patch imports nothing of the driver)."""
+    return PATCH.apply(prepare)

@@ -32,11 +32,9 @@ def checks_first(check: Callable[[object], None]):
     return wrapper_for
 
 
-def _wrap(check: Callable[[object], None] | None = None) -> str:
+def _wrap(check: Callable[[object], None]) -> str:
     import verl.utils.config as verl_config
 
-    if check is None:  # the driver's checks; imported here, at plugin load, as the plugin did before
-        from qurl_verl.driver import on_validate_config as check
     return wrap_once(verl_config, "validate_config", checks_first(check), _MARK)
 
 
@@ -50,6 +48,7 @@ PATCH = Patch(
 )
 
 
-def apply(check: Callable[[object], None] | None = None) -> str:
-    """Run ``check`` (default: ``qurl_verl.driver.on_validate_config``) before verl's own; "" if already wrapped."""
+def apply(check: Callable[[object], None]) -> str:
+    """Run ``check`` (the plugin passes the driver's ``on_validate_config``) before verl's own; "" if already
+    wrapped. The check comes in as an argument: the patch sits below the driver and imports nothing of it."""
     return PATCH.apply(check)

@@ -51,7 +51,7 @@ class CodeChangeTracking(SyncFeature):
         if self.tracker is None:
             s = self.settings
             self.tracker = UpdateVisibilityTracker(
-                s.quant_format, s.format.granularity, ignore=s.ignore_patterns, row_stride=s.code_change_row_stride,
+                s.quant_scheme, ignore=s.ignore_patterns, row_stride=s.code_change_row_stride,
                 storage_device="cpu", max_resident_bytes=s.code_change_max_bytes,
             )
         sync.stream.tracker = self.tracker

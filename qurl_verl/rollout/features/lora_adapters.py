@@ -25,7 +25,6 @@ import torch
 
 from qurl_verl.rollout.features import SyncFeature, register
 from qurl_verl.rollout.sync_stats import LEAST, SyncStats, combine_syncs, stat
-from qurl_verl.rollout.vllm_versions import vllm_release
 from qurl_verl.settings import (
     CHECKPOINT_ENGINE_KEY,
     COLOCATED_SYNC_BACKENDS,
@@ -39,15 +38,13 @@ from qurl_verl.settings import (
     show,
 )
 from qurl_verl.settings.errors import Check
+from qurl_verl.versions import CPU_LORA_TENSOR_PARALLEL_VLLM, vllm_release
 
 logger = logging.getLogger("qurl_verl")
 
 # verl names a LoRA run's base weights ``<layer>.base_layer.<tensor>`` (``replace_lora_wrapper``, every
 # q/k/v/o/gate/up/down projection whether or not an adapter targets it)
 BASE_LAYER = ".base_layer."
-# vLLM-CPU's LoRA ops (punica_cpu) fail at rollout TP > 1 in 0.24 (an einsum over the sharded adapter:
-# "subscript i has size 8 ... previously seen size 16", bf16 engines too); 0.32 runs it
-CPU_LORA_TENSOR_PARALLEL_VLLM = (0, 32)
 
 
 def check_lora_adapters(cfg: Any, rollout: RolloutSettings, on_cpu: bool = False, vllm_version: str | None = None) -> None:
@@ -55,7 +52,7 @@ def check_lora_adapters(cfg: Any, rollout: RolloutSettings, on_cpu: bool = False
     engine once, through the qurl weight stream, the adapters at every sync through vLLM's ``add_lora``,
     which carries nothing else: not another feature's tensors, and only over the colocated sync, where
     verl sends base and adapters apart (other backends send neither apart). vLLM-CPU before 0.32 cannot
-    serve adapters at rollout TP > 1 (``CPU_LORA_TENSOR_PARALLEL_VLLM``)."""
+    serve adapters at rollout TP > 1 (``versions.CPU_LORA_TENSOR_PARALLEL_VLLM``)."""
     rank = lora_adapter_rank(cfg)
     if not rank:
         return
