@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=str(bench_harness.RESULTS / "quantize_side.json"))
     args = parser.parse_args()
-    from qurl_verl.rollout import cpu_int8_paths
+    from qurl_verl.kernels import cpu_int8_paths
 
     report = {
         "environment": bench_harness.environment(),

@@ -121,8 +121,8 @@ def main() -> None:
     from verl.plugin.platform import platform_manager
 
     from qurl_testkit import reload_harness as harness
+    from qurl_verl.kernels import cpu_int8_paths
     from qurl_verl.platform.cpu import PlatformCPU
-    from qurl_verl.rollout import cpu_int8_paths
 
     os.environ.update(harness.engine_env())
     platform_manager._current_platform = PlatformCPU()
@@ -141,7 +141,7 @@ def main() -> None:
                     "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()},
         "blocks": [],
         "notes": [
-            "This CPU's oneDNN int8 GEMM saturates (no VNNI), so rollout/cpu_int8_paths.py gives the "
+            "This CPU's oneDNN int8 GEMM saturates (no VNNI), so kernels/cpu_int8_paths.py gives the "
             "INT8 linears an exact GEMM: `int8` runs the packed AVX2 GEMM (qurl_verl/platform/"
             "cpu_int8_gemm_avx2.cpp, QURL_VERL_CPU_INT8_GEMM=auto), `int8_onednn` oneDNN's split (every INT8 "
             "GEMM as two 7-bit GEMMs, QURL_VERL_CPU_INT8_GEMM=onednn). Both compute the same W8A8 codes "

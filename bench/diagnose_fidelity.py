@@ -101,12 +101,12 @@ def model_stats(model, seqs) -> dict:
 
 def gemm_check(shapes=((80, 1024, 1024), (80, 1024, 5632), (80, 2816, 1024))) -> list[dict]:
     """Op-level: vLLM-CPU's INT8 linear (per-token activation quantization + the split oneDNN GEMM of
-    rollout/cpu_int8_paths.py, as ``_apply_split`` runs it) vs the exact product of
+    kernels/cpu_int8_paths.py, as ``_apply_split`` runs it) vs the exact product of
     ``qurl_verl.quant``'s codes, fp32 activations, the ~100M model's shapes (M tokens, K in, N out)."""
     from vllm import _custom_ops as ops
 
+    from qurl_verl.kernels.cpu_int8_paths import split_codes
     from qurl_verl.quant import INT8_CHANNEL, INT8_TOKEN, quantize
-    from qurl_verl.rollout.cpu_int8_paths import split_codes
 
     g, rows = torch.Generator().manual_seed(0), []
     for m, k, n in shapes:

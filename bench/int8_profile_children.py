@@ -19,7 +19,7 @@ def worker(args) -> None:
     """Time every op for every shape and M in this process's CPU class; write JSON to args.worker_out."""
     ops = load_ops(args.avx2_kernels)
     torch.set_num_threads(args.threads[0])
-    from qurl_verl.rollout.cpu_int8_paths import onednn_int8_saturates
+    from qurl_verl.kernels.cpu_int8_paths import onednn_int8_saturates
 
     gen = torch.Generator().manual_seed(0)
     result = {"threads": torch.get_num_threads(), "stream_bytes": args.stream_bytes, "loadavg_start": os.getloadavg(),

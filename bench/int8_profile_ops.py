@@ -48,7 +48,7 @@ class Int8Linear:
     """The oneDNN INT8 GEMMs of one layer shape: unsplit 8-bit, split (the patch), unsplit 7-bit."""
 
     def __init__(self, ops, shape: dict, gen: torch.Generator):
-        from qurl_verl.rollout.cpu_int8_paths import split_codes
+        from qurl_verl.kernels.cpu_int8_paths import split_codes
 
         n, k = shape["n"], shape["k"]
         self.ops, self.n = ops, n
@@ -131,7 +131,7 @@ def exactness(ops, gen: torch.Generator) -> list[dict]:
     oneDNN shifts activations to u8 and sums product pairs in int16 (vpmaddubsw), which saturates for
     255 * 127 * 2 but not for 255 * 63 * 2 = 32130. The ``all_127_vs_*`` cases put every pair at that
     bound. The split's two fp32 halves are only compared where each is below 2^24 (exact in fp32)."""
-    from qurl_verl.rollout.cpu_int8_paths import split_codes
+    from qurl_verl.kernels.cpu_int8_paths import split_codes
 
     rows, m = [], 8
     for n, k in ((5632, 1024), (1024, 2816)):

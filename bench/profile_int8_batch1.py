@@ -10,7 +10,7 @@ BF16 weights do not fit a cache), not from a cache kept warm by repeating one ca
 (a) ``quant``: dynamic symmetric per-token activation quantization (``onednn_scaled_int8_quant``);
 (b) ``int8_gemm``: the oneDNN INT8 GEMM as ``CPUInt8ScaledMMLinearKernel`` builds it (bf16 output);
 (c) ``split_gemm``: the saturation patch's GEMM over the [2N, K] split codes, fp32 output, then the
-    add of the halves, the bias and the cast (``rollout/cpu_int8_paths.py``);
+    add of the halves, the bias and the cast (``kernels/cpu_int8_paths.py``);
 (d) ``int8_7bit_gemm``: one unsplit GEMM over weight codes within +-63 (timed like (b));
 (e) ``bf16_linear``: what ``dispatch_cpu_unquantized_gemm`` installs for a BF16 layer;
 (f) ``avx2_packed_gemm``: the project's packed AVX2 GEMM on the 8-bit codes (bf16 output, bias), what

@@ -6,13 +6,14 @@ import io
 
 import torch
 
+from qurl_verl.kernels import cpu_int8_paths
+from qurl_verl.kernels.cpu_int8_paths import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
 from qurl_verl.patches.vllm_cpu_worker import (
     vllm_cpu_int8_kernels,
     vllm_cpu_onednn_scale_keepalive,
     vllm_cpu_tied_lm_head_refresh,
 )
-from qurl_verl.rollout import cpu_int8_paths, int8_gemm_report
-from qurl_verl.rollout.cpu_int8_paths import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
+from qurl_verl.rollout import int8_gemm_report
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.tied_lm_head import tied_output_embedding
 

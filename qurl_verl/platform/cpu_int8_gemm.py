@@ -1,7 +1,7 @@
 """Exact W8A8 INT8 GEMM for x86 CPUs with AVX2 and no VNNI, on a weight packed once per sync.
 
 On such CPUs oneDNN's int8 GEMM packs the weight on every call (and saturates on 8-bit codes,
-see ``qurl_verl/rollout/cpu_int8_paths.py``), which makes INT8 rollout slower
+see ``qurl_verl/kernels/cpu_int8_paths.py``), which makes INT8 rollout slower
 than BF16 at decode batch sizes. ``cpu_int8_gemm_avx2.cpp`` computes the same integer dot
 products with ``vpmaddubsw`` on |a| and sign(a)*w, which cannot saturate for weight codes in
 [-127, 127]; see the file's header. It is built on first use with torch's C++ extension loader

@@ -53,3 +53,9 @@ def fp8_block_kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] |
 
 def kernel_env(fmt: RolloutFormat | str, capability: tuple[int, int] | None, environ: Mapping[str, str]) -> dict[str, str]:
     return {**int8_kernel_env(fmt, capability, environ), **fp8_block_kernel_env(fmt, capability, environ)}
+
+
+def nvidia_capability(capability: tuple[int, int] | None) -> tuple[int, int] | None:
+    import torch
+
+    return capability if torch.version.hip is None else None  # ROCm capabilities count differently

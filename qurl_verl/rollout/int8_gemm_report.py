@@ -1,7 +1,7 @@
 """Which GEMM each INT8 linear of a live vLLM engine runs, read from the engine's kernel objects.
 
 vLLM picks a kernel class per layer when it builds the model (on a CPU: the project's classes of
-``cpu_int8_kernels`` where they are supported, vLLM's ``CPUInt8ScaledMMLinearKernel`` elsewhere), and that
+``kernels.cpu_int8`` where they are supported, vLLM's ``CPUInt8ScaledMMLinearKernel`` elsewhere), and that
 object picks its GEMM path at every (re)load from the CPU class, the layer's shape and dtype and its codes,
 so results name what the engine holds rather than what the CPU suggests: the path the kernel object keeps
 (``cpu_int8_paths.INT8_PATH_ATTR``), or for vLLM's own class the GEMM method it set. The names:
@@ -21,7 +21,7 @@ from collections import Counter
 
 import torch
 
-from qurl_verl.rollout.cpu_int8_paths import INT8_PATH_ATTR
+from qurl_verl.kernels.cpu_int8_paths import INT8_PATH_ATTR
 
 INT8_GEMMS = ("amx_sgl", "onednn", "avx2_packed", "onednn_split")
 # a kernel's path -> the GEMM it runs (one oneDNN GEMM on 7-bit codes is vLLM's oneDNN GEMM)

@@ -31,14 +31,13 @@ import logging
 import os
 
 import ray
-import torch
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
 from qurl_verl.model_info import moe_experts
 from qurl_verl.patches import qurl_vllm_server as qurl_vllm_server_patches
 from qurl_verl.platform.host import Host
 from qurl_verl.rollout import features as sync_features
-from qurl_verl.rollout.cuda_kernel_env import kernel_env
+from qurl_verl.rollout.cuda_kernel_env import kernel_env, nvidia_capability
 from qurl_verl.rollout.engine_checks import (
     check_architecture,
     check_fp8_block_shapes,
@@ -50,10 +49,6 @@ from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings
 
 logger = logging.getLogger("qurl_verl")
-
-
-def nvidia_capability(capability: tuple[int, int] | None) -> tuple[int, int] | None:
-    return capability if torch.version.hip is None else None  # ROCm capabilities count differently
 
 
 def set_kernel_env(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:

@@ -23,7 +23,7 @@ activation. A wrong, stale or mis-packed weight moves outputs by whole weight st
 Three engines: this CPU's own kernels in bf16 (on AMX with vLLM 0.32: the real sgl kernel; on other
 classes the GEMM their CPU gets), and vLLM's sgl choice forced on any CPU with the pure-torch stand-ins
 of ``qurl_testkit/sgl_stand_in.py``, in bf16 (the sgl path through every reload) and in fp32 (where the
-stock choice fails at the first generate and the AMX INT8 kernel class of ``cpu_int8_kernels`` gives oneDNN
+stock choice fails at the first generate and the AMX INT8 kernel class of ``kernels.cpu_int8`` gives oneDNN
 instead).
 """
 from __future__ import annotations
@@ -46,10 +46,10 @@ from qurl_testkit.reload_harness import (
     summary,
     sync_weights,
 )
+from qurl_verl.kernels import cpu_int8_paths
 from qurl_verl.platform import cpu_int8_gemm
 from qurl_verl.platform.cpu_features import cpu_flags
 from qurl_verl.quant import INT8_CHANNEL, quantize
-from qurl_verl.rollout import cpu_int8_paths
 from qurl_verl.rollout.int8_gemm_report import INT8_GEMMS
 from qurl_verl.settings import RolloutSettings
 

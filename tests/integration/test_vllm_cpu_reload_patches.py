@@ -67,10 +67,10 @@ def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
     from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
     from vllm.platforms import PlatformEnum
 
+    from qurl_verl.kernels.cpu_int8 import SaturationFreeCPUInt8ScaledMMLinearKernel
     from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_kernels
     from qurl_verl.quant import INT8_CHANNEL, quantize
     from qurl_verl.quant.matmul import w8a8_linear_reference
-    from qurl_verl.rollout.cpu_int8_kernels import SaturationFreeCPUInt8ScaledMMLinearKernel
 
     if not vllm_cpu_int8_saturates():
         pytest.skip("this CPU's oneDNN int8 GEMM does not saturate (VNNI/AMX): the patch stays off")
@@ -94,7 +94,7 @@ def test_int8_saturation_patch_is_needed_and_exact(monkeypatch):
 
 
 def vllm_cpu_int8_saturates() -> bool:
-    from qurl_verl.rollout import cpu_int8_paths
+    from qurl_verl.kernels import cpu_int8_paths
 
     return cpu_int8_paths.onednn_int8_saturates()
 

@@ -32,11 +32,12 @@ from vllm.model_executor.layers import utils as vllm_layer_utils
 from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 from vllm.platforms import CpuArchEnum, PlatformEnum, current_platform
 
+from qurl_verl.kernels import cpu_int8 as cpu_int8_kernels
+from qurl_verl.kernels import cpu_int8_paths as paths
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_kernels as int8_kernels
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_onednn_scale_keepalive as keepalive
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_tied_lm_head_refresh as lm_head_refresh
-from qurl_verl.rollout import cpu_int8_kernels, int8_gemm_report
-from qurl_verl.rollout import cpu_int8_paths as paths
+from qurl_verl.rollout import int8_gemm_report
 from qurl_verl.rollout.int8_gemm_report import kernel_gemm
 
 needs_onednn = pytest.mark.skipif(not ops._supports_onednn, reason="this vLLM build has no CPU oneDNN ops")

@@ -1,6 +1,6 @@
 """Which INT8 kernel class, and which GEMM path, vLLM's own selector gives a W8A8 linear on each CPU class.
 
-``vllm_cpu_int8_kernels`` puts the project's classes (``qurl_verl/rollout/cpu_int8_kernels.py``) into vLLM's
+``vllm_cpu_int8_kernels`` puts the project's classes (``qurl_verl/kernels/cpu_int8.py``) into vLLM's
 CPU INT8 kernel list; vLLM's ``init_int8_linear_kernel`` then picks the first class whose ``is_supported`` and
 ``can_implement`` answer True, and the kernel object picks its path as vLLM post-processes the layer. Each CPU
 class is forced through the predicates the classes read (the saturation probe, AMX tiles) and those vLLM reads
@@ -20,9 +20,10 @@ from vllm.model_executor.kernels import linear as linear_kernels
 from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
 from vllm.platforms import CpuArchEnum, PlatformEnum, current_platform
 
+from qurl_verl.kernels import cpu_int8 as cpu_int8_kernels
+from qurl_verl.kernels import cpu_int8_paths as paths
 from qurl_verl.patches.vllm_cpu_worker import vllm_cpu_int8_kernels as int8_kernels
-from qurl_verl.rollout import cpu_int8_kernels, int8_gemm_report
-from qurl_verl.rollout import cpu_int8_paths as paths
+from qurl_verl.rollout import int8_gemm_report
 
 needs_onednn = pytest.mark.skipif(not ops._supports_onednn, reason="this vLLM build has no CPU oneDNN ops")
 pytestmark = [pytest.mark.both_stacks, needs_onednn]  # vLLM's selector and kernel list differ between the stacks

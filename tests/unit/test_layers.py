@@ -181,7 +181,7 @@ def test_the_version_policy_is_a_leaf_every_reader_imports():
     probe read the version facts from it."""
     graph = import_graph()
     assert not graph["qurl_verl.versions"], graph["qurl_verl.versions"]
-    readers = ("qurl_verl.driver.trainer_checks", "qurl_verl.rollout.engine_checks", "qurl_verl.patches.contract",
+    readers = ("qurl_verl.rollout.features.lora_adapters", "qurl_verl.rollout.engine_checks", "qurl_verl.patches.contract",
                "qurl_verl.platform.host")
     assert all("qurl_verl.versions" in graph[m] for m in readers), {m: sorted(graph[m]) for m in readers}
 

@@ -8,8 +8,8 @@ picks, for every W8A8 INT8 linear as the model is built, the first class whose `
 
 Why: vLLM's ``CPUInt8ScaledMMLinearKernel`` is wrong on CPUs whose oneDNN int8 GEMM saturates (no VNNI:
 errors up to ~20 % of an output's magnitude), and on AMX CPUs it gives fp32 layers its sgl kernel, which
-refuses fp32 activations at the first generate. The classes of ``qurl_verl/rollout/cpu_int8_kernels.py``
-fix each (one per CPU capability; why and how: ``qurl_verl/rollout/cpu_int8_paths.py``). vLLM's public
+refuses fp32 activations at the first generate. The classes of ``qurl_verl/kernels/cpu_int8.py``
+fix each (one per CPU capability; why and how: ``qurl_verl/kernels/cpu_int8_paths.py``). vLLM's public
 ``register_linear_kernel`` appends to the list, behind vLLM's class, which every CPU supports: so the
 classes are inserted right ahead of it instead, after zentorch's kernel (which vLLM prefers on AMD Zen
 CPUs with zentorch installed, and which these fixes never concerned).
@@ -35,13 +35,13 @@ def _possible_cpu_int8_kernels() -> list | None:
 
 def applies() -> bool:
     """One of the project's CPU INT8 kernels is supported on this CPU (its own ``is_supported``)."""
-    from qurl_verl.rollout import cpu_int8_kernels
+    from qurl_verl.kernels import cpu_int8 as cpu_int8_kernels
 
     return bool(cpu_int8_kernels.supported())
 
 
 def _insert() -> str:
-    from qurl_verl.rollout import cpu_int8_kernels
+    from qurl_verl.kernels import cpu_int8 as cpu_int8_kernels
 
     kernels = _possible_cpu_int8_kernels()
     added = cpu_int8_kernels.insert_ahead_of_vllm(kernels) if kernels is not None else []

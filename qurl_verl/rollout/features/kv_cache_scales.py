@@ -263,7 +263,7 @@ class KVCacheScales(SyncFeature):
 
             from qurl_verl.model_info import ModelInfo
             from qurl_verl.platform.host import Host
-            from qurl_verl.rollout.server import nvidia_capability
+            from qurl_verl.rollout.cuda_kernel_env import nvidia_capability
 
             host = Host.probe()
             model = ModelInfo.of_config(hf_config.to_dict(), model_path)

@@ -21,8 +21,8 @@ import logging
 import torch
 from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
 
-from qurl_verl.rollout import cpu_int8_paths as paths  # module attribute: tests force the CPU facts through it
-from qurl_verl.rollout.cpu_int8_paths import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
+from qurl_verl.kernels import cpu_int8_paths as paths  # module attribute: tests force the CPU facts through it
+from qurl_verl.kernels.cpu_int8_paths import INT8_PATH_ATTR, PACKED_ATTR, SPLIT_SCALE_ATTR
 
 logger = logging.getLogger("qurl_verl")
 
