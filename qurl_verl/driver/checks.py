@@ -46,6 +46,7 @@ from qurl_verl.rollout.engine_checks import (
 from qurl_verl.settings import (
     ACTOR_STRATEGY_KEY,
     BUCKET_MB_KEY,
+    CHECKPOINT_ENGINE_KEY,
     LOSS_MODE_KEY,
     MODEL_PATH_KEY,
     PRESET_KEY,
@@ -194,6 +195,18 @@ def _qurl_vllm(run: Run) -> bool:
     return run.rollout is not None
 
 
+def check_whole_tensor_sync(backend: Any) -> None:
+    """verl's ``delta_sharded`` checkpoint engine sends only the bf16 values that changed, patched in place into
+    the engine's weights; an 8-bit engine holds codes, re-quantized from whole rows at every sync. verl 0.9.1
+    itself refuses it for any rollout but ``vllm``/``sglang``, inside its workers: here it stops in the driver."""
+    if backend == "delta_sharded":
+        raise QurlConfigError(
+            f"{CHECKPOINT_ENGINE_KEY}=delta_sharded with {ROLLOUT_NAME_KEY}={ROLLOUT_NAME}: it patches changed bf16 "
+            "values in place, while the qurl_vllm engine re-quantizes whole rows into 8-bit codes at every sync. "
+            f"Set {CHECKPOINT_ENGINE_KEY}=naive (colocated) or nccl (separate rollout GPUs)"
+        )
+
+
 def check_loss_truncates(cfg: Any) -> None:
     problem = untruncated_weights_problem(cfg)
     if problem:
@@ -231,6 +244,8 @@ CHECKS = (
     # qurl_vllm: the weights it receives, the model it quantizes, the engine that runs it
     Check("the installed vLLM has the reload the sync runs through (untested releases: a warning)", _qurl_vllm,
           lambda r: check_vllm_version(r.host.vllm_version), "Install the vLLM"),  # the servers check their own
+    Check("the sync carries whole tensors (no delta_sharded)", _qurl_vllm,
+          lambda r: check_whole_tensor_sync(select(r.cfg, CHECKPOINT_ENGINE_KEY)), f"Set {CHECKPOINT_ENGINE_KEY}=naive"),
     Check("an FSDP actor feeds the weight stream", _qurl_vllm,
           lambda r: check_actor_strategy(select(r.cfg, ACTOR_STRATEGY_KEY)), f"set {ACTOR_STRATEGY_KEY}=fsdp2"),
     Check("the architecture is one the weight stream maps", lambda r: _qurl_vllm(r) and r.model.architectures is not None,
