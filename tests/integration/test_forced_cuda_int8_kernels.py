@@ -33,9 +33,10 @@ A mis-packed weight (one linear's codes reversed in place after a sync) fails th
 log-probs; a weight in the row-major layout that vLLM's post-processing does not leave fails the Cutlass
 stand-in's layout assertion; the next sync puts the right weight back.
 
-CUDA-graph pointer contract: a captured graph replays the addresses it captured. Every parameter and buffer,
-and the attention layers' ``_k_scale``/``_v_scale``, keep their data pointer, shape, stride and dtype across
-syncs (vLLM's layerwise reload copies into the storage the model had).
+CUDA-graph pointer contract: a captured graph replays the addresses it captured, at the engine's start. Every
+parameter and buffer, and the attention layers' ``_k_scale``/``_v_scale``, keep the data pointer, shape, stride
+and dtype they had right after the start through every sync (vLLM's layerwise reload copies into the storage the
+model had, and the Cutlass post-processing's ``weight.t()`` is a view of it).
 
 Not forced here: the GPU kernels themselves (their tiling, float32 epilogue, Triton's bias after the bf16
 rounding on vLLM 0.24), CUDA graphs (the engines run eager), and the platform answers other code asks for
@@ -74,6 +75,7 @@ SYNCS = 3
 BF16_MEDIAN = 0.03
 BLACKWELL = (10, 0)
 SCRAMBLED = "model.layers.1.mlp.down_proj"
+AT_START = {}  # the Cutlass engine's tensor records right after it started, before any sync
 
 
 def _tracks(llm, model_dir, trainer, dtype, previous=None) -> dict:
@@ -113,6 +115,7 @@ class TestForcedCutlass:
     def cutlass_engine(self, tiny_model_dir, engine_environment):
         require_vllm()
         llm = start_engine(tiny_model_dir, INT8, dtype="bfloat16", extension=EXTENSION)
+        (AT_START["records"],) = llm.collective_rpc("probe_tensor_records")  # where a GPU engine captures its graphs
         yield llm
         stop_engine(llm)
 
@@ -127,18 +130,20 @@ class TestForcedCutlass:
         assert cutlass_engine.collective_rpc("probe_int8_kernel_classes") == [classes]
 
     def test_the_cuda_graph_pointers_stay_across_syncs(self, cutlass_engine, tiny_model_dir):
+        """What the engine held when it started (a GPU engine captures its CUDA graphs then, before the first
+        sync) is where every later sync leaves it."""
+        start = AT_START["records"]
+        assert any(k.startswith("attention ") and k.endswith("._k_scale") for k in start), sorted(start)
+        assert sum(k.startswith("parameter ") and k.endswith(".weight") for k in start) >= INT8_LINEARS
         trainer = TrainerWeights(tiny_model_dir, seed=1)
-        sync_weights(cutlass_engine, trainer.named_tensors())
-        (first,) = cutlass_engine.collective_rpc("probe_tensor_records")
-        assert any(k.startswith("attention ") and k.endswith("._k_scale") for k in first), sorted(first)
-        assert sum(k.startswith("parameter ") and k.endswith(".weight") for k in first) >= INT8_LINEARS
-        for _ in range(2):
-            trainer.step()
+        for sync in range(3):
+            if sync:
+                trainer.step()
             sync_weights(cutlass_engine, trainer.named_tensors())
             (now,) = cutlass_engine.collective_rpc("probe_tensor_records")
-            moved = {k: (first.get(k), now.get(k)) for k in first.keys() | now.keys() if first.get(k) != now.get(k)}
-            assert not moved, moved
-        print(f"\n{len(first)} tensors kept their pointer, shape, stride and dtype over 2 syncs")
+            moved = {k: (start.get(k), now.get(k)) for k in start.keys() | now.keys() if start.get(k) != now.get(k)}
+            assert not moved, (sync + 1, moved)
+        print(f"\n{len(start)} tensors kept their pointer, shape, stride and dtype from the engine's start over 3 syncs")
 
     def test_a_mis_packed_weight_fails_the_checks(self, cutlass_engine, tiny_model_dir):
         trainer = TrainerWeights(tiny_model_dir)
