@@ -55,6 +55,17 @@ class ForcedCudaInt8WorkerExtension(Int8GemmProbeWorkerExtension):
         finally:
             layer.weight = weight
 
+    def probe_tensor_records_with_a_copy(self, module_name: str, param: str) -> dict[str, tuple]:
+        """The records as ``probe_tensor_records`` makes them while one parameter is a copy in new storage (what a
+        reload that re-registers its parameters leaves); the parameter is put back."""
+        module = dict(self.model_runner.model.named_modules())[module_name]
+        original = getattr(module, param)
+        try:
+            setattr(module, param, torch.nn.Parameter(original.detach().clone(), requires_grad=False))
+            return self.probe_tensor_records()
+        finally:
+            setattr(module, param, original)
+
     def probe_tensor_records(self) -> dict[str, tuple]:
         """(data_ptr, shape, stride, dtype) of every parameter and buffer of the model, and of each attention
         layer's ``_k_scale``/``_v_scale`` (whatever they are on this vLLM): what a captured CUDA graph holds."""

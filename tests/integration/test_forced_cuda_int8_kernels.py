@@ -21,13 +21,16 @@ Cutlass runs in bf16: vLLM's ``cutlass_scaled_mm`` wrapper takes bf16/fp16 outpu
 on a GPU that chooses Cutlass fails there). So its log-prob bound is bf16 rounding over a whole model, not an
 exact kernel: the bf16 engine and the bf16 HF forward differ by a mean 0.009 nats unquantized
 (``test_qurl_vllm_reload.py::test_bf16_format_takes_the_same_reload_path``), and bf16 activations on the two
-sides may quantize to codes one step apart. Bound: median <= BF16_MEDIAN; one training step moves the median
-by ~0.1, a stale or mis-packed weight by more. The per-GEMM check is the exact one.
+sides may quantize to codes one step apart. Measured (3 syncs x 8 sequences, vLLM 0.24 and 0.32 alike): median
+0.015-0.018, worst token 0.098; against the previous step's weights median 0.14-0.18; one linear's codes
+scrambled, median 0.51. Bound: median <= BF16_MEDIAN (0.03), and more than twice that against the previous
+step. The per-GEMM check is the exact one.
 
 Triton runs in fp32 (its wrapper takes any float output), chosen by the server's real Blackwell environment
 (``int8_kernel_env`` for capability (10, 0): ``VLLM_DISABLED_KERNELS`` names Cutlass; vLLM's selector then
 skips it), so the fp32 bounds of the INT8 reload tests hold (``test_qurl_vllm_reload.py``: median <= 1e-5,
-p75 <= 1e-4, max <= 0.1; what is left is activation rounding ties).
+p75 <= 1e-4, max <= 0.1; what is left is activation rounding ties). Measured: median 0, p75 5e-7, worst token
+0.007 (0.24) and 0.035 (0.32) at the first sync, 1e-6 at the second. (bf16 Triton: the unit test.)
 
 A mis-packed weight (one linear's codes reversed in place after a sync) fails the GEMM check and moves the
 log-probs; a weight in the row-major layout that vLLM's post-processing does not leave fails the Cutlass
@@ -126,7 +129,7 @@ class TestForcedCutlass:
             assert row["gemms"] == {CUTLASS}, row
             assert row["vs_w8a8_ref"]["median"] <= BF16_MEDIAN, row
             if "vs_previous_step" in row:
-                assert row["vs_previous_step"]["median"] > row["vs_w8a8_ref"]["median"], row
+                assert row["vs_previous_step"]["median"] > 2 * BF16_MEDIAN, row
         assert cutlass_engine.collective_rpc("probe_int8_kernel_classes") == [classes]
 
     def test_the_cuda_graph_pointers_stay_across_syncs(self, cutlass_engine, tiny_model_dir):
@@ -139,11 +142,15 @@ class TestForcedCutlass:
         for sync in range(3):
             if sync:
                 trainer.step()
-            sync_weights(cutlass_engine, trainer.named_tensors())
+            (stats,) = sync_weights(cutlass_engine, trainer.named_tensors())
+            assert stats["quantized"] == 14, stats
             (now,) = cutlass_engine.collective_rpc("probe_tensor_records")
             moved = {k: (start.get(k), now.get(k)) for k in start.keys() | now.keys() if start.get(k) != now.get(k)}
             assert not moved, (sync + 1, moved)
         print(f"\n{len(start)} tensors kept their pointer, shape, stride and dtype from the engine's start over 3 syncs")
+        # ... and a parameter in new storage would show
+        (copied,) = cutlass_engine.collective_rpc("probe_tensor_records_with_a_copy", args=(SCRAMBLED, "weight_scale"))
+        assert [k for k in start if start[k] != copied.get(k)] == [f"parameter {SCRAMBLED}.weight_scale"]
 
     def test_a_mis_packed_weight_fails_the_checks(self, cutlass_engine, tiny_model_dir):
         trainer = TrainerWeights(tiny_model_dir)
