@@ -27,7 +27,7 @@ scrambled, median 0.51. Bound: median <= BF16_MEDIAN (0.03), and more than twice
 step. The per-GEMM check is the exact one.
 
 Triton runs in fp32 (its wrapper takes any float output), chosen by the server's real Blackwell environment
-(``int8_kernel_env`` for capability (10, 0): ``VLLM_DISABLED_KERNELS`` names Cutlass; vLLM's selector then
+(``server.set_kernel_env`` for capability (10, 0): ``VLLM_DISABLED_KERNELS`` names Cutlass; vLLM's selector then
 skips it), so the fp32 bounds of the INT8 reload tests hold (``test_qurl_vllm_reload.py``: median <= 1e-5,
 p75 <= 1e-4, max <= 0.1; what is left is activation rounding ties). Measured: median 0, p75 5e-7, worst token
 0.007 (0.24) and 0.035 (0.32) at the first sync, 1e-6 at the second. (bf16 Triton: the unit test.)
@@ -67,7 +67,7 @@ from qurl_testkit.reload_harness import (
     summary,
     sync_weights,
 )
-from qurl_verl.rollout.cuda_kernel_env import DISABLED_KERNELS_ENV, int8_kernel_env
+from qurl_verl.rollout.cuda_kernel_env import DISABLED_KERNELS_ENV
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
@@ -174,14 +174,16 @@ class TestForcedCutlass:
 
 
 def test_blackwell_environment_takes_the_triton_int8_kernel(tiny_model_dir, engine_environment):
-    """The server's INT8 environment for a Blackwell GPU, in the engine's processes: vLLM's selector skips the
-    disabled Cutlass class and takes Triton, which tracks the W8A8 reference in fp32 with the reload tests' bounds."""
+    """The server's INT8 environment for a Blackwell GPU (``server.set_kernel_env``, as ``_apply_quantization`` calls
+    it before the engine starts), in the engine's processes: vLLM's selector skips the disabled Cutlass class and
+    takes Triton, which tracks the W8A8 reference in fp32 with the reload tests' bounds."""
     require_vllm()
-    env = int8_kernel_env("int8", BLACKWELL, os.environ)
-    assert CUTLASS in env[DISABLED_KERNELS_ENV].split(","), env
-    for key, value in env.items():
-        engine_environment.setenv(key, value)
+    from qurl_verl.rollout.server import set_kernel_env
+
+    engine_environment.delenv(DISABLED_KERNELS_ENV, raising=False)  # undone (restored) with the module's environment
+    set_kernel_env(INT8, BLACKWELL)
     try:
+        assert os.environ[DISABLED_KERNELS_ENV].split(",") == [CUTLASS], os.environ[DISABLED_KERNELS_ENV]
         llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension=EXTENSION)
         try:
             (classes,) = llm.collective_rpc("probe_int8_kernel_classes")
@@ -195,5 +197,4 @@ def test_blackwell_environment_takes_the_triton_int8_kernel(tiny_model_dir, engi
         finally:
             stop_engine(llm)
     finally:
-        for key in env:
-            engine_environment.delenv(key, raising=False)
+        os.environ.pop(DISABLED_KERNELS_ENV, None)
