@@ -1,0 +1,92 @@
+"""Test engines' worker extension with vLLM's CUDA INT8 kernel classes forced through vLLM's selector
+(``qurl_testkit.cuda_kernel_stand_ins``), and the probes the tests of ``tests/integration/
+test_forced_cuda_int8_kernels.py`` read them with."""
+from __future__ import annotations
+
+import torch
+
+from qurl_testkit import cuda_kernel_stand_ins
+from qurl_testkit.reload_probe import Int8GemmProbeWorkerExtension
+from qurl_verl.rollout import int8_gemm_report
+
+
+class ForcedCudaInt8WorkerExtension(Int8GemmProbeWorkerExtension):
+    """The production extension (with the INT8 GEMM recorder) on a CPU where vLLM's selector may choose its CUDA
+    INT8 classes: Cutlass, unless the environment disables it (``VLLM_DISABLED_KERNELS``), then Triton."""
+
+    @classmethod
+    def _install_cpu_patches(cls) -> None:
+        super()._install_cpu_patches()
+        cuda_kernel_stand_ins.install()
+
+    def _int8_layers(self):
+        for name, module in self.model_runner.model.named_modules():
+            kernel = int8_gemm_report.int8_kernel(module)
+            if kernel is not None:
+                yield name, module, kernel
+
+    def probe_int8_kernel_classes(self) -> dict[str, str]:
+        """{module name: the class of the INT8 kernel object it holds (``scheme.kernel``)}."""
+        return {name: type(kernel).__name__ for name, _, kernel in self._int8_layers()}
+
+    def probe_scramble_int8_weight(self, module_name: str) -> list[int]:
+        """The codes of one INT8 linear reversed along K, in place: a mis-packed weight in the right storage,
+        layout and dtype (the next sync writes the right one). Its (K, N) strides."""
+        layer = dict(self.model_runner.model.named_modules())[module_name]
+        with torch.no_grad():
+            layer.weight.copy_(layer.weight.flip(0))
+        return list(layer.weight.stride())
+
+    def probe_row_major_weight_gemm(self, module_name: str) -> str:
+        """The layer's kernel applied (vLLM's wrapper, then the op) to its weight re-laid row-major, the layout
+        vLLM's post-processing does not leave: what the op's layout check says ("" if it ran). The layer's own
+        weight is left as it was."""
+        layer = dict(self.model_runner.model.named_modules())[module_name]
+        kernel = layer.scheme.kernel
+        weight = layer.weight
+        k = weight.shape[0]
+        x = torch.randn(4, k, generator=torch.Generator().manual_seed(0)).to(_act_dtype(layer))
+        try:
+            layer.weight = torch.nn.Parameter(weight.detach().contiguous(), requires_grad=False)
+            kernel.apply_weights(layer, x)
+            return ""
+        except AssertionError as e:
+            return f"AssertionError: {e}"
+        finally:
+            layer.weight = weight
+
+    def probe_tensor_records_with_a_copy(self, module_name: str, param: str) -> dict[str, tuple]:
+        """The records as ``probe_tensor_records`` makes them while one parameter is a copy in new storage (what a
+        reload that re-registers its parameters leaves); the parameter is put back."""
+        module = dict(self.model_runner.model.named_modules())[module_name]
+        original = getattr(module, param)
+        try:
+            setattr(module, param, torch.nn.Parameter(original.detach().clone(), requires_grad=False))
+            return self.probe_tensor_records()
+        finally:
+            setattr(module, param, original)
+
+    def probe_tensor_records(self) -> dict[str, tuple]:
+        """(data_ptr, shape, stride, dtype) of every parameter and buffer of the model, and of each attention
+        layer's ``_k_scale``/``_v_scale`` (whatever they are on this vLLM): what a captured CUDA graph holds."""
+        model = self.model_runner.model
+        records = {}
+
+        def add(label, t):
+            if isinstance(t, torch.Tensor):
+                records[label] = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+        for name, p in model.named_parameters(remove_duplicate=False):
+            add(f"parameter {name}", p)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            add(f"buffer {name}", b)
+        for name, module in model.named_modules():
+            for attr in ("_k_scale", "_v_scale"):
+                if hasattr(module, attr):
+                    add(f"attention {name}.{attr}", getattr(module, attr))
+        return records
+
+
+def _act_dtype(layer) -> torch.dtype:
+    """The engine's activation dtype, as vLLM's linear layers keep it (``params_dtype``)."""
+    return getattr(layer, "params_dtype", torch.bfloat16)
