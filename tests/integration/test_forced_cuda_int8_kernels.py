@@ -70,7 +70,7 @@ from qurl_testkit.reload_harness import (
 from qurl_verl.rollout.cuda_kernel_env import DISABLED_KERNELS_ENV
 from qurl_verl.settings import RolloutSettings
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
+pytestmark = [pytest.mark.integration, pytest.mark.both_stacks, pytest.mark.usefixtures("engine_environment")]
 
 INT8 = RolloutSettings(format="int8")
 EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"

@@ -396,3 +396,16 @@ def test_fp8_block_at_a_shard_vllm_refuses_stops_in_the_driver(tmp_path):
     with pytest.raises(QurlConfigError, match="fp8_block at rollout tensor_model_parallel_size=2"):
         qc.check_config(compose_ppo_config([*command, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
     qc.check_config(compose_ppo_config([*command, "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]))
+
+
+def test_delta_sharded_sync_stops_in_the_driver(tiny_model):
+    """verl's delta engine patches changed bf16 values in place; the 8-bit engine re-quantizes whole rows. verl
+    itself would refuse it only inside its workers, after Ray and the models started; stock runs keep it."""
+    qurl = [o.replace("rollout.name=vllm", "rollout.name=qurl_vllm") for o in CPU_OK]
+    model = f"actor_rollout_ref.model.path={tiny_model}"
+    delta = "actor_rollout_ref.rollout.checkpoint_engine.backend=delta_sharded"
+    with pytest.raises(QurlConfigError, match=r"checkpoint_engine.backend=delta_sharded with .*qurl_vllm.* Set "
+                                              r"actor_rollout_ref.rollout.checkpoint_engine.backend=naive"):
+        qc.check_config(compose_ppo_config([*qurl, model, delta]))
+    qc.check_config(compose_ppo_config([*qurl, model]))
+    qc.check_config(compose_ppo_config([*CPU_OK, model, delta]))  # verl's stock rollout: not the plugin's call
