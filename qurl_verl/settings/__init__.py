@@ -4,7 +4,7 @@ Each group is read from the config node verl hands to the process that needs it:
 
 | group | config node | module | read in |
 |---|---|---|---|
-| rollout | ``actor_rollout_ref.rollout.{name, quantization, custom.qurl.*}`` | ``rollout`` | driver, vLLM server, adapter |
+| rollout | ``actor_rollout_ref.rollout.{name, quantization, custom.qurl.*}`` | ``rollout`` | driver, vLLM server, adapter; the workers through vLLM's ``additional_config`` |
 | loss | ``actor_rollout_ref.actor.policy_loss.{loss_mode, is_cap, acr_upper_cap}`` | ``loss`` (verl's class: ``loss_config``; what the losses need elsewhere: ``loss_requirements``) | driver, actor workers |
 | UAQ | ``qurl.uaq.*`` | ``uaq`` | driver only (the checkpoint is converted before Ray starts) |
 
