@@ -66,8 +66,8 @@ class PaddedVocabProbe(QurlWorkerExtension):
     """Worker side: the vocabulary layers' padding, the stored state, the sync's warnings, and
     switches for the dtype cast and the log filter."""
 
-    def _qurl_param_dtypes(self, model):
-        return super()._qurl_param_dtypes(model) if getattr(self, "_probe_cast", True) else None
+    def _qurl_param_dtypes(self, model, stream_name):
+        return super()._qurl_param_dtypes(model, stream_name) if getattr(self, "_probe_cast", True) else None
 
     def _probe_vocab_layers(self):
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
