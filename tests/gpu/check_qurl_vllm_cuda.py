@@ -57,8 +57,11 @@ fresh engine max |dlogprob| 0; LoRA 0.015-0.017 with the adapters, 0.81 with the
 0.036-0.048 (its bound: at ``REF_MEDIAN_FP8_KV``).
 
 Time on a GPU (ESTIMATES, nothing measured): per engine about 1 minute (compile + graph capture), per sync
-and generate a few seconds, the CPU reference forward of the 4-layer model a few seconds per sync; the default
-run starts 6 engines (3 formats x live + fresh): 6-8 minutes. ``--sleep`` adds seconds per sync, ``--lora`` one
+and generate a few seconds; the torch reference runs on the host's CPU (built once per step, two forwards per
+sync), measured on 2 busy cores for this script's 4-layer model: int8 12 s per build and forward, fp8 256 s
+(torch's FP8 emulation on a CPU), fp8_block over 300 s: expect minutes per sync for the fp8 formats on a GPU
+host's CPU, or run ``--formats int8`` first; the default
+run starts 6 engines (3 formats x live + fresh): 6-8 minutes of engines, plus the fp8 references. ``--sleep`` adds seconds per sync, ``--lora`` one
 engine per format, ``--tp 2`` about a minute per engine more (NCCL set-up, two workers).
 
 Prints one JSON line per sync and per format (sync stats from the worker, the summaries), then a final one
@@ -236,10 +239,16 @@ def trainer_kv_scales(model, prompts) -> dict[str, torch.Tensor]:
     return kv_scales(observer.take())
 
 
-def vs_reference(model_dir, master, settings, seqs, got, scales, rounding, adapters=None, tp: int = 1) -> dict:
-    from qurl_testkit.reload_harness import abs_diffs, reference_model, summary
+def build_reference(model_dir, master, settings, tp: int = 1):
+    """The torch W8A8 reference (``reload_harness.reference_model``) in bf16 on the CPU; built once per step."""
+    from qurl_testkit.reload_harness import reference_model
 
-    model = reference_model(model_dir, master, settings, torch.bfloat16, tensor_parallel_size=tp)
+    return reference_model(model_dir, master, settings, torch.bfloat16, tensor_parallel_size=tp)
+
+
+def vs_reference(model, seqs, got, scales, rounding, adapters=None) -> dict:
+    from qurl_testkit.reload_harness import abs_diffs, summary
+
     handles = with_adapters(model, adapters) if adapters else []
     try:
         return summary(abs_diffs([torch.tensor(x, dtype=torch.float64) for x in got],
@@ -330,7 +339,7 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
     report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
     if args.dry_run:
         report["int8_kernel_classes"] = sorted(set(live.collective_rpc("probe_int8_kernel_classes")[0].values()))
-    previous_master = previous_out = None
+    previous_reference = previous_out = None
     try:
         for step in range(args.syncs):
             row = {}
@@ -347,12 +356,12 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
                 if not any(n == args.perturb_engine_weight for n, _ in stream):
                     raise KeyError(f"--perturb-engine-weight: no tensor {args.perturb_engine_weight!r}")
             scales, streamed = None, {}
+            reference_s = time.monotonic()
+            reference = build_reference(model_dir, trainer.master, settings, args.tp)
+            row["reference_build_s"] = round(time.monotonic() - reference_s, 1)
             if settings.kv_cache.quantized:  # sync 1 carries none (vLLM's 1.0), then the actor's ranges
-                from qurl_testkit.reload_harness import reference_model
-
                 if step:
-                    streamed = trainer_kv_scales(reference_model(model_dir, trainer.master, settings, torch.bfloat16),
-                                                 prompts)
+                    streamed = trainer_kv_scales(reference, prompts)
                 scales = {parse_kv_scale_name(n): float(v) for n, v in streamed.items()} or {
                     (i, p): 1.0 for i in range(trainer_layers(trainer)) for p in "qkv"}
             t0 = time.monotonic()
@@ -361,18 +370,18 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             outputs = generate(live, prompts)
             n = len(prompts)
             seqs, got = [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
-            row["vs_w8a8_reference"] = vs_reference(model_dir, trainer.master, settings, seqs, got, scales, rounding,
-                                                    tp=args.tp)
+            reference_s = time.monotonic()
+            row["vs_w8a8_reference"] = vs_reference(reference, seqs, got, scales, rounding)
             ok = row["vs_w8a8_reference"]["median"] <= (REF_MEDIAN_FP8_KV if scales is not None else REF_MEDIAN)
-            if previous_master is not None:  # the engine runs the new weights, not the previous step's
-                row["vs_previous_step_reference"] = vs_reference(model_dir, previous_master, settings, seqs, got,
-                                                                 scales, rounding, tp=args.tp)
+            if previous_reference is not None:  # the engine runs the new weights, not the previous step's
+                row["vs_previous_step_reference"] = vs_reference(previous_reference, seqs, got, scales, rounding)
                 ok &= row["vs_previous_step_reference"]["median"] > 2 * REF_MEDIAN
                 row["vs_previous_sync_outputs"] = compare(outputs, previous_out)
+            row["reference_forward_s"] = round(time.monotonic() - reference_s, 1)
             row["ok"] = bool(ok)
             report["ok"] &= bool(ok)
             report["syncs"].append(row)
-            previous_master = {k: v.clone() for k, v in trainer.master.items()}
+            previous_reference = reference
             previous_out = outputs
             print(json.dumps({"format": fmt, "sync": step + 1, **row}, default=str), flush=True)
     finally:
@@ -419,6 +428,8 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
                **engine_args(model_dir, settings, extension, args.dry_run, args.tp, False, lora=True))
     report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
 
+    reference = build_reference(model_dir, trainer.master, settings, args.tp)  # the base never changes
+
     def split(outputs):
         n = len(prompts)
         return [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
@@ -434,12 +445,10 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
             row = {"stats": sync(live, list(adapters.items()), use_shm=args.dry_run, tp=args.tp,
                                  peft_config=peft_config, base_sync_done=True)}
             seqs, got = split(generate(live, prompts, lora_request=adapter))
-            row["vs_w8a8_reference_with_adapters"] = vs_reference(model_dir, trainer.master, settings, seqs, got, None,
-                                                                  None, adapters=adapters, tp=args.tp)
+            row["vs_w8a8_reference_with_adapters"] = vs_reference(reference, seqs, got, None, None, adapters=adapters)
             ok = row["vs_w8a8_reference_with_adapters"]["median"] <= REF_MEDIAN
             if previous is not None:
-                row["vs_previous_adapters"] = vs_reference(model_dir, trainer.master, settings, seqs, got, None, None,
-                                                           adapters=previous, tp=args.tp)
+                row["vs_previous_adapters"] = vs_reference(reference, seqs, got, None, None, adapters=previous)
                 ok &= row["vs_previous_adapters"]["median"] > 2 * REF_MEDIAN
             row["ok"] = bool(ok)
             report["ok"] &= bool(ok)
@@ -447,8 +456,7 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
             previous = adapters
             print(json.dumps({"format": fmt, "lora": True, "sync": step + 1, **row}, default=str), flush=True)
         seqs, got = split(generate(live, prompts))
-        d = report["base_without_adapter"] = vs_reference(model_dir, trainer.master, settings, seqs, got, None, None,
-                                                          tp=args.tp)
+        d = report["base_without_adapter"] = vs_reference(reference, seqs, got, None, None)
         report["ok"] &= d["median"] <= REF_MEDIAN
     finally:
         shutdown(live)
