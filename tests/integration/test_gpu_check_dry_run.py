@@ -6,7 +6,7 @@ JSON summary and the exit code) otherwise runs nowhere before that. The dry run 
 int8, the small tiny model, eager, shared memory instead of CUDA IPC, vLLM's Cutlass INT8 class forced through its
 selector over exact stand-ins (``qurl_testkit.cuda_kernel_probe``), in bf16 as on a GPU.
 
-One run, one engine (its start is most of the cost: about 25 s on the 0.32 stack, 45-50 s on 0.24 on 2 cores):
+One run, one engine (its start is most of the cost; measured on 2 shared cores: 25-48 s on the 0.32 stack, 37-54 s on 0.24):
 3 syncs, the engine sent one linear's weight reversed along K from sync 3 on (``--perturb-engine-weight``; the
 reference keeps the trainer's weights). Syncs 1-2 must pass (the flow works and the reference agrees), sync 3 must
 fail (the comparison can fail), and the run must exit 1 with ``ok: false``. Measured: median |dlogprob| 0.015-0.018
