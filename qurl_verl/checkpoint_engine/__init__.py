@@ -2,11 +2,8 @@
 
 ``qurl_int8`` (``int8_engine``): quantizes the trainer's weights on the trainer side, with the run's
 ``RolloutSettings``, and sends 8-bit codes + fp32 scales (+ the full-precision rest) to the rollout.
-Selected with ``actor_rollout_ref.rollout.checkpoint_engine.backend=qurl_int8``; registered by the
-``verl.plugins`` entry point and by ``custom_backend_module=qurl_verl.checkpoint_engine``.
+Selected with ``actor_rollout_ref.rollout.checkpoint_engine.backend=qurl_int8`` and registered by
+``custom_backend_module=qurl_verl.checkpoint_engine.int8_engine`` (verl imports it in every process that
+builds an engine). This package module imports nothing, so the driver can read ``engine_settings``
+without importing verl's checkpoint engines.
 """
-from __future__ import annotations
-
-from .int8_engine import ENGINE_NAME, QurlInt8CheckpointEngine
-
-__all__ = ["ENGINE_NAME", "QurlInt8CheckpointEngine"]

@@ -41,12 +41,10 @@ from verl.checkpoint_engine.base import (
 )
 
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
-from qurl_verl.settings import RolloutSettings
+
+from .engine_settings import ENGINE_NAME, rollout_settings
 
 logger = logging.getLogger("qurl_verl")
-
-ENGINE_NAME = "qurl_int8"
-SETTINGS_KWARGS = ("quantization", "ignore", "weight_bits", "experts")
 
 
 @dataclass
@@ -88,13 +86,6 @@ def local_ip() -> str:
     except Exception:  # noqa: BLE001 - outside Ray: the loopback address
         pass
     return "127.0.0.1"
-
-
-def rollout_settings(quantization: str = "int8", ignore: Iterable[str] = (), weight_bits: int = 8,
-                     experts: str = "bf16") -> RolloutSettings:
-    """The trainer side's settings from ``engine_kwargs.qurl_int8`` (the driver checks they match the rollout's)."""
-    ignore = (ignore,) if isinstance(ignore, str) else tuple(ignore or ())
-    return RolloutSettings(format=quantization, ignore=ignore, weight_bits=weight_bits, experts=experts)
 
 
 @CheckpointEngineRegistry.register(ENGINE_NAME)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from qurl_verl.checkpoint_engine import ENGINE_NAME, QurlInt8CheckpointEngine
+from qurl_verl.checkpoint_engine.engine_settings import ENGINE_NAME
+from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
 from qurl_verl.settings import RolloutSettings
 
