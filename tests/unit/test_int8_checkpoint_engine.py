@@ -145,3 +145,25 @@ def test_registered_and_refuses_bf16():
     actor, rollout = QurlInt8CheckpointEngine.build_topology(3, 2, [{"host": "h", "port": 1}, None, None, None, None])
     assert actor["rank"] == [0, -1, -1] and rollout["rank"] == [1, 2]
     assert actor["world_size"] == rollout["world_size"][:1] * 3
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8", "fp8_block"])
+def test_the_rollout_stream_loads_what_the_engine_sends_as_it_would_have_quantized_it(quantization):
+    """The qurl_vllm worker's stream, given the engine's trainer-side output, loads the same tensors it loads
+    from the fp32 masters in the colocated sync: the codes and scales pass unchanged, nothing is quantized twice."""
+    from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
+
+    settings = RolloutSettings(format=quantization)
+    state = tiny_state()
+    if quantization == "fp8_block":  # whole 128 x 128 blocks
+        state = {n: torch.randn(256, 128) if n.endswith("_proj.weight") else t for n, t in state.items()}
+    engine = QurlInt8CheckpointEngine(BUCKET, is_master=True, quantization=quantization, device="cpu")
+    sent = list(engine.quantized_stream(state.items()))
+    colocated = WeightStreamQuantizer(settings)
+    disaggregated = WeightStreamQuantizer(settings)
+    want = dict(colocated.transform(state.items()))
+    got = dict(disaggregated.transform(sent))
+    assert disaggregated.stats.quantized == 0 and colocated.stats.quantized == 14
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(as_bits(got[name]), as_bits(want[name])), name
