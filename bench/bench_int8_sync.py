@@ -4,7 +4,7 @@ Two processes on this machine (a trainer side and a rollout side) in the engine'
 Qwen2.5-0.5B and Qwen2.5-1.5B layer shapes (random weights of those shapes, fp32 masters as verl sends them
 in the disaggregated modes). ``fp32``: the same engine, buckets and group with the quantizer bypassed (what
 verl's full-precision engines put on the wire); ``int8``/``fp8``: trainer-side quantization (codes + fp32
-per-row scales + the full-precision rest). Seconds are the sender's wall time per sync, quantization
+per-row scales + the full-precision rest; ``int8+bf16``: the rest in bf16). Seconds are the sender's wall time per sync, quantization
 included (``quantize_s``); the group is rebuilt per sync as in verl's manager (not timed).
 
 Writes ``bench/results/int8_sync.{json,md}``; the md adds the network roofline for 7B / 32B at 400 Gb/s.
@@ -83,8 +83,9 @@ def _side(side: str, model: str, fmt: str, repeats: int, queue, results) -> None
     torch.set_num_threads(1)  # two processes on a 2-core machine
     s = MODEL_SHAPES[model]
     cls = FullPrecisionEngine if fmt == "fp32" else QurlInt8CheckpointEngine
-    quantization = "int8" if fmt == "fp32" else fmt
-    engine = cls(BUCKET_MB << 20, is_master=side == "trainer", quantization=quantization, device="cpu")
+    quantization, _, rest = fmt.partition("+")  # "int8+bf16": the rest sent in bf16 (engine_kwargs rest_dtype)
+    engine = cls(BUCKET_MB << 20, is_master=side == "trainer", quantization="int8" if fmt == "fp32" else quantization,
+                 rest_dtype={"": None, "bf16": "bfloat16"}[rest], device="cpu")
     if side == "trainer":
         layer, embed = layer_tensors(s), torch.randn(s.vocab_size, s.hidden_size) * 0.02
 
@@ -147,11 +148,11 @@ def roofline(model: str) -> dict:
     linear = s.num_layers * (q * h + 2 * kv * h + h * q + 3 * i * h)
     rows = s.num_layers * (q + 2 * kv + h + 2 * i + h)
     other = (1 if s.tie_word_embeddings else 2) * s.vocab_size * h + s.num_layers * (2 * h + (q + 2 * kv)) + h
-    eight = linear + 4 * rows + 4 * other
+    eight, eight_bf16 = linear + 4 * rows + 4 * other, linear + 4 * rows + 2 * other
     link = LINK_GBPS / 8 * 1e9
     return {"model": model, "fp32_GB": 4 * (linear + other) / 1e9, "bf16_GB": 2 * (linear + other) / 1e9,
             "int8_GB": eight / 1e9, "fp32_s": 4 * (linear + other) / link, "bf16_s": 2 * (linear + other) / link,
-            "int8_s": eight / link}
+            "int8_s": eight / link, "int8_bf16_GB": eight_bf16 / 1e9, "int8_bf16_s": eight_bf16 / link}
 
 
 def markdown(report: dict) -> str:
@@ -169,21 +170,24 @@ def markdown(report: dict) -> str:
                      f"{r['quantize_s']:.2f} | {r['receive_s']:.2f} |")
     fp32 = [r for r in report["results"] if r["format"] == "fp32"]
     rate = sum(r["payload_bytes"] for r in fp32) / sum(r["send_s"] for r in fp32) / 1e9
-    eight = [r for r in report["results"] if r["format"] != "fp32"]
-    wire = [r["send_s"] - r["quantize_s"] for r in eight]
+    eight = [r for r in report["results"] if r["format"] != "fp32"]  # int8, fp8, int8+bf16 (rest in bf16)
+    wire = [r["send_s"] - r["quantize_s"] for r in eight] or [float("nan")]
     lines += ["", f"Seconds: loopback gloo moves {rate:.2f} GB/s here, and the trainer side quantizes on one CPU "
               "thread, serially with the broadcasts (a bucket is quantized, then sent). So on this machine the 8-bit "
               f"sync's transfer shrinks with its bytes (send minus quantize: {min(wire):.2f} to {max(wire):.2f} s) while "
               "the quantizer takes the rest: the time saved is a network's, where the bytes are the cost "
               "(roofline below) and the quantizer runs on the trainer's GPU.", "",
               "Bytes are the tensor payload through the group (bucket metadata: under 0.01% more, in the json). "
-              "The 8-bit stream keeps embeddings, lm_head, norms and biases in fp32 as the trainer holds them; "
-              "on the tied 0.5B model the embedding alone is most of what remains.", "",
+              "`int8`/`fp8` keep embeddings, lm_head, norms and biases in fp32 as the trainer holds them "
+              "(on the tied 0.5B model the embedding alone is most of what remains); `int8+bf16` sends that rest in "
+              "the rollout's bf16 (`engine_kwargs.qurl_int8.rest_dtype=bfloat16`), which the worker casts it to anyway.", "",
               f"## Network roofline per sync at {LINK_GBPS} Gb/s (arithmetic, one replica)", "",
-              "| model | fp32 | bf16 | 8-bit (codes + fp32 scales, rest fp32) |", "|---|---:|---:|---:|"]
+              "| model | fp32 | bf16 | 8-bit (codes + fp32 scales, rest fp32) | 8-bit, rest bf16 |",
+              "|---|---:|---:|---:|---:|"]
     for r in report["roofline"]:
         lines.append(f"| {r['model']} | {r['fp32_GB']:.1f} GB, {r['fp32_s']:.2f} s | {r['bf16_GB']:.1f} GB, "
-                     f"{r['bf16_s']:.2f} s | {r['int8_GB']:.1f} GB, {r['int8_s']:.2f} s |")
+                     f"{r['bf16_s']:.2f} s | {r['int8_GB']:.1f} GB, {r['int8_s']:.2f} s | {r['int8_bf16_GB']:.1f} GB, "
+                     f"{r['int8_bf16_s']:.2f} s |")
     lines += ["", "A broadcast to R replicas costs the same bytes per link in a tree/ring; with one sender NIC "
               "and point-to-point sends it is R times these seconds.", ""]
     return "\n".join(lines)
@@ -192,7 +196,7 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "fp8"])
+    ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "fp8", "int8+bf16"])
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
     report = {"environment": environment(), "bucket_mb": BUCKET_MB, "repeats": args.repeats, "results": [],

@@ -46,6 +46,8 @@ from .engine_settings import ENGINE_NAME, rollout_settings
 
 logger = logging.getLogger("qurl_verl")
 
+REST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # codes are int8/fp8, scales keep fp32
+
 
 @dataclass
 class SyncStats:
@@ -96,19 +98,23 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         bucket_size: bytes per broadcast bucket (verl's ``update_weights_bucket_megabytes``).
         is_master: actor rank 0, the one sender (verl sets it on the trainer side).
         quantization, ignore, weight_bits, experts: the rollout's ``RolloutSettings`` (``engine_kwargs``).
+        rest_dtype: the dtype the full-precision rest (embeddings, lm_head, norms, biases) is sent in; None
+            (default): as the trainer holds it. The rollout's own dtype (``rollout.dtype``, the driver checks it)
+            loses nothing: the worker casts the rest to its parameters' dtype anyway.
         device: ``cpu`` (gloo) or ``cuda`` (NCCL); default: cuda where available.
         timeout_s: the group's timeout.
     """
 
     def __init__(self, bucket_size: int, is_master: bool = False, quantization: str = "int8",
                  ignore: Iterable[str] = (), weight_bits: int = 8, experts: str = "bf16",
-                 device: str | None = None, timeout_s: float = 600.0) -> None:
+                 rest_dtype: str | None = None, device: str | None = None, timeout_s: float = 600.0) -> None:
         self.bucket_size = int(bucket_size)
         self.is_master = is_master
         self.settings = rollout_settings(quantization, ignore, weight_bits, experts)
         if not self.settings.quantized:
             raise ValueError(f"checkpoint_engine.backend={ENGINE_NAME} sends 8-bit codes; quantization="
                              f"{self.settings.format.value} has none (use nccl or naive for a bf16 rollout)")
+        self.rest_dtype = getattr(torch, rest_dtype) if rest_dtype else None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rank: int | None = None
@@ -213,6 +219,8 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
                 stats.quantize_s += clock() - start
                 stats.tensors += 1
                 stats.quantized += name.endswith("weight_scale")
+            if self.rest_dtype is not None and tensor.dtype in REST_DTYPES and not name.endswith("weight_scale"):
+                tensor = tensor.to(self.rest_dtype)
             yield name, tensor.detach().to(self.device).contiguous()
 
     @torch.no_grad()

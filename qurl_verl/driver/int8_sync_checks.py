@@ -27,6 +27,7 @@ from qurl_verl.settings.keys import (
 MODULE_KEY = f"{CHECKPOINT_ENGINE_NODE}.custom_backend_module"
 KWARGS_KEY = f"{CHECKPOINT_ENGINE_NODE}.engine_kwargs.{INT8_SYNC_BACKEND}"
 ENGINE = f"{CHECKPOINT_ENGINE_KEY}={INT8_SYNC_BACKEND}"
+ROLLOUT_DTYPE_KEY = "actor_rollout_ref.rollout.dtype"
 
 
 def selects_int8_sync(cfg: Any) -> bool:
@@ -63,6 +64,13 @@ def check_int8_sync(cfg: Any, rollout: RolloutSettings | None) -> None:
         raise QurlConfigError(
             f"{KWARGS_KEY}={show(kwargs)} differs from the rollout's quantization ({show(want)}): the trainer side "
             f"would send codes the engine was not built for. Set {overrides}"
+        )
+    rest, dtype = kwargs.get("rest_dtype"), select(cfg, ROLLOUT_DTYPE_KEY, "bfloat16")
+    if rest not in (None, dtype):
+        raise QurlConfigError(
+            f"{KWARGS_KEY}.rest_dtype={show(rest)} with {ROLLOUT_DTYPE_KEY}={show(dtype)}: the full-precision rest is "
+            f"loaded in the rollout's dtype, so it can travel in that one and no other. Set "
+            f"+{KWARGS_KEY}.rest_dtype={dtype}, or remove it (sent as the trainer holds it)"
         )
     if rollout.code_change_row_stride:
         raise QurlConfigError(

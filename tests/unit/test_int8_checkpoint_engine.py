@@ -147,8 +147,9 @@ def test_registered_and_refuses_bf16():
     assert actor["world_size"] == rollout["world_size"][:1] * 3
 
 
-@pytest.mark.parametrize("quantization", ["int8", "fp8", "fp8_block"])
-def test_the_rollout_stream_loads_what_the_engine_sends_as_it_would_have_quantized_it(quantization):
+@pytest.mark.parametrize("quantization,rest_dtype", [("int8", None), ("fp8", None), ("fp8_block", None),
+                                                     ("int8", "bfloat16")])
+def test_the_rollout_stream_loads_what_the_engine_sends_as_it_would_have_quantized_it(quantization, rest_dtype):
     """The qurl_vllm worker's stream, given the engine's trainer-side output, loads the same tensors it loads
     from the fp32 masters in the colocated sync: the codes and scales pass unchanged, nothing is quantized twice."""
     from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
@@ -157,10 +158,15 @@ def test_the_rollout_stream_loads_what_the_engine_sends_as_it_would_have_quantiz
     state = tiny_state()
     if quantization == "fp8_block":  # whole 128 x 128 blocks
         state = {n: torch.randn(256, 128) if n.endswith("_proj.weight") else t for n, t in state.items()}
-    engine = QurlInt8CheckpointEngine(BUCKET, is_master=True, quantization=quantization, device="cpu")
+    engine = QurlInt8CheckpointEngine(BUCKET, is_master=True, quantization=quantization, device="cpu",
+                                      rest_dtype=rest_dtype)
     sent = list(engine.quantized_stream(state.items()))
-    colocated = WeightStreamQuantizer(settings)
-    disaggregated = WeightStreamQuantizer(settings)
+    # the engine's parameters: bf16 where the rest is sent in bf16 (the worker casts to them)
+    dtypes = {n: torch.bfloat16 for n in state} if rest_dtype else None
+    if rest_dtype:
+        assert {t.dtype for n, t in sent if t.element_size() > 1 and not n.endswith("weight_scale")} == {torch.bfloat16}
+    colocated = WeightStreamQuantizer(settings, param_dtypes=dtypes)
+    disaggregated = WeightStreamQuantizer(settings, param_dtypes=dtypes)
     want = dict(colocated.transform(state.items()))
     got = dict(disaggregated.transform(sent))
     assert disaggregated.stats.quantized == 0 and colocated.stats.quantized == 14

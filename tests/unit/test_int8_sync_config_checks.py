@@ -81,6 +81,10 @@ def test_refused_without_its_module_or_with_other_settings(qurl):
     with pytest.raises(QurlConfigError, match=r"engine_kwargs.qurl_int8.ignore=\[down_proj\]"):
         qc.check_config(compose_ppo_config(ignore))
     qc.check_config(compose_ppo_config([*ignore, f"+{CE}.engine_kwargs.qurl_int8.ignore=[down_proj]"]))
+    rest = [*qurl, *int8_sync(), f"+{CE}.engine_kwargs.qurl_int8.rest_dtype=float16"]
+    with pytest.raises(QurlConfigError, match=r"rest_dtype=float16 with actor_rollout_ref.rollout.dtype=bfloat16.*Set "):
+        qc.check_config(compose_ppo_config(rest))
+    qc.check_config(compose_ppo_config([*qurl, *int8_sync(), f"+{CE}.engine_kwargs.qurl_int8.rest_dtype=bfloat16"]))
     tracker = [o for o in int8_sync() if "code_change" not in o]
     with pytest.raises(QurlConfigError, match=r"code-change tracker.*Set .*code_change_row_stride=0"):
         qc.check_config(compose_ppo_config([*qurl, *tracker]))
