@@ -23,6 +23,7 @@ from qurl_verl.driver.cpu_platform_checks import (
     check_weight_sync_bucket,
     runs_on_this_machine,
 )
+from qurl_verl.driver.int8_sync_checks import INT8_SYNC_CHECKS
 from qurl_verl.driver.model_path import MODEL_PATH_FIX, check_model_path
 from qurl_verl.driver.trainer_checks import (
     FLASH_ATTN_FIX,
@@ -268,6 +269,8 @@ CHECKS = (
           f"Use {QUANTIZATION_KEY}=fp8"),
     # each sync feature's own rows (``rollout.features``)
     *sync_features.driver_checks(),
+    # checkpoint_engine.backend=qurl_int8 (after the features: theirs say why they need the colocated sync)
+    *INT8_SYNC_CHECKS,
     Check("QURL_VERL_CPU_INT8_GEMM names a GEMM", lambda r: _qurl_vllm(r) and r.on_cpu,
           lambda r: check_cpu_int8_gemm_choice(), "expected 'auto'"),
     # UAQ

@@ -23,6 +23,9 @@ CHECKPOINT_ENGINE_KEY = f"{ROLLOUT_KEY}.checkpoint_engine.backend"
 # (ServerAdapter.update_weights); others stream from a separate checkpoint-engine process, which never
 # sees the actor's forwards, and send the whole model at once
 COLOCATED_SYNC_BACKENDS = (None, "naive")
+# qurl_verl.checkpoint_engine: the 8-bit sync of the disaggregated modes (quantized on the trainer side)
+INT8_SYNC_BACKEND = "qurl_int8"
+CHECKPOINT_ENGINE_NODE = f"{ROLLOUT_KEY}.checkpoint_engine"
 BUCKET_MB_KEY = f"{ROLLOUT_KEY}.checkpoint_engine.update_weights_bucket_megabytes"
 TRAINER_DTYPE_KEY = "actor_rollout_ref.actor.fsdp_config.model_dtype"  # fp32 by default (engine/fsdp.yaml)
 ACTOR_STRATEGY_KEY = "actor_rollout_ref.actor.strategy"
@@ -84,7 +87,8 @@ def dry_run() -> bool:
 def uses_qurl(cfg: Any) -> bool:
     """Whether a composed config asks for anything of qurl-verl; the plugin leaves every other run alone.
 
-    A ``qurl`` preset (or node), a ``qurl_*`` policy loss, the ``qurl_vllm`` rollout, or the CPU
+    A ``qurl`` preset (or node), a ``qurl_*`` policy loss, the ``qurl_vllm`` rollout, the ``qurl_int8``
+    checkpoint engine, or the CPU
     platform this package provides (``VERL_PLATFORM=cpu``).
     """
     loss_mode = select(cfg, LOSS_MODE_KEY)
@@ -92,5 +96,6 @@ def uses_qurl(cfg: Any) -> bool:
         select(cfg, "qurl") is not None
         or (isinstance(loss_mode, str) and loss_mode.startswith("qurl_"))
         or select(cfg, ROLLOUT_NAME_KEY) == ROLLOUT_NAME
+        or select(cfg, CHECKPOINT_ENGINE_KEY) == INT8_SYNC_BACKEND
         or cpu_platform_selected()
     )

@@ -1,0 +1,100 @@
+"""``checkpoint_engine.backend=qurl_int8`` in the driver: passes with a quantized ``qurl_vllm`` rollout whose
+settings the engine carries; refused, naming the fix, for bf16, for verl's stock rollout, without the plugin
+import, with other settings than the rollout's, with the code-change tracker; the FP8 KV scales and LoRA
+adapters stay refused (they need the colocated sync)."""
+from __future__ import annotations
+
+import pytest
+
+from qurl_recipes.compose import compose_ppo_config
+from qurl_verl import driver as qc
+from qurl_verl.settings import QurlConfigError, uses_qurl
+
+pytestmark = pytest.mark.both_stacks
+
+CPU_OK = [  # as in test_config_checks
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.ref.strategy=fsdp2",
+    "actor_rollout_ref.model.use_remove_padding=false",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "+actor_rollout_ref.rollout.enable_sleep_mode=false",
+    "trainer.device=cpu",
+]
+
+
+@pytest.fixture
+def tiny_model(tmp_path_factory):
+    from qurl_recipes.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def _host_with(**probed):
+    from qurl_verl.platform.host import Host
+
+    return Host(**{**Host.probe().__dict__, **probed})
+
+CE = "actor_rollout_ref.rollout.checkpoint_engine"
+
+
+def int8_sync(fmt: str = "int8") -> list[str]:
+    return [f"{CE}.backend=qurl_int8", f"{CE}.custom_backend_module=qurl_verl.checkpoint_engine.int8_engine",
+            f"+{CE}.engine_kwargs.qurl_int8.quantization={fmt}",
+            "+actor_rollout_ref.rollout.custom.qurl.code_change_row_stride=0"]
+
+
+@pytest.fixture
+def qurl(monkeypatch, tiny_model):
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    return [*(o.replace("rollout.name=vllm", "rollout.name=qurl_vllm") for o in CPU_OK),
+            f"actor_rollout_ref.model.path={tiny_model}"]
+
+
+def test_passes_for_a_quantized_qurl_vllm_rollout(qurl):
+    qc.check_config(compose_ppo_config([*qurl, *int8_sync()]))
+    fp8 = [*qurl, *int8_sync("fp8"), "actor_rollout_ref.rollout.quantization=fp8"]
+    qc.check_config(compose_ppo_config(fp8), host=_host_with(avx512=True))
+
+
+def test_refused_for_bf16_and_for_stock_vllm(qurl, monkeypatch, tiny_model):
+    bf16 = [*qurl, *int8_sync(), "actor_rollout_ref.rollout.quantization=bf16"]
+    with pytest.raises(QurlConfigError, match=r"backend=qurl_int8 with .*quantization=bf16.*Set .*quantization=int8"):
+        qc.check_config(compose_ppo_config(bf16))
+    monkeypatch.delenv("VERL_PLATFORM")
+    stock = compose_ppo_config([*CPU_OK, f"actor_rollout_ref.model.path={tiny_model}", *int8_sync()[:3]])
+    assert uses_qurl(stock)  # the engine alone brings the driver in
+    with pytest.raises(QurlConfigError, match=r"backend=qurl_int8 with actor_rollout_ref.rollout.name=vllm.*"
+                                              r"Set actor_rollout_ref.rollout.name=qurl_vllm"):
+        qc.check_config(stock)
+
+
+def test_refused_without_its_module_or_with_other_settings(qurl):
+    no_module = [o for o in int8_sync() if "custom_backend_module" not in o]
+    with pytest.raises(QurlConfigError, match=r"custom_backend_module=.*Set .*custom_backend_module="
+                                              r"qurl_verl.checkpoint_engine.int8_engine"):
+        qc.check_config(compose_ppo_config([*qurl, *no_module]))
+    other = [*qurl, *int8_sync("fp8")]  # the rollout is int8
+    with pytest.raises(QurlConfigError, match=r"differs from the rollout's quantization.*quantization=int8"):
+        qc.check_config(compose_ppo_config(other))
+    ignore = [*qurl, *int8_sync(), "+actor_rollout_ref.rollout.custom.qurl.ignore=[down_proj]"]
+    with pytest.raises(QurlConfigError, match=r"engine_kwargs.qurl_int8.ignore=\[down_proj\]"):
+        qc.check_config(compose_ppo_config(ignore))
+    qc.check_config(compose_ppo_config([*ignore, f"+{CE}.engine_kwargs.qurl_int8.ignore=[down_proj]"]))
+    rest = [*qurl, *int8_sync(), f"+{CE}.engine_kwargs.qurl_int8.rest_dtype=float16"]
+    with pytest.raises(QurlConfigError, match=r"rest_dtype=float16 with actor_rollout_ref.rollout.dtype=bfloat16.*Set "):
+        qc.check_config(compose_ppo_config(rest))
+    qc.check_config(compose_ppo_config([*qurl, *int8_sync(), f"+{CE}.engine_kwargs.qurl_int8.rest_dtype=bfloat16"]))
+    tracker = [o for o in int8_sync() if "code_change" not in o]
+    with pytest.raises(QurlConfigError, match=r"code-change tracker.*Set .*code_change_row_stride=0"):
+        qc.check_config(compose_ppo_config([*qurl, *tracker]))
+
+
+def test_kv_scales_and_lora_adapters_stay_refused(qurl):
+    fp8_kv = [*qurl, *int8_sync(), "+actor_rollout_ref.rollout.custom.qurl.kv_cache=fp8"]
+    with pytest.raises(QurlConfigError, match=r"kv_cache=fp8 with .*backend='?qurl_int8'?.*naive"):
+        qc.check_config(compose_ppo_config(fp8_kv), host=_host_with(avx512=True))
+    lora = [*qurl, *int8_sync(), "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
+    with pytest.raises(QurlConfigError, match=r"LoRA adapters .*backend='?qurl_int8'?.*naive"):
+        qc.check_config(compose_ppo_config(lora))
