@@ -3,8 +3,8 @@
 The engine quantizes on the trainer side and the rollout loads the codes as they arrive, so it needs the
 ``qurl_vllm`` rollout in a quantized format, verl's plugin import of the engine, and the rollout's settings
 in ``engine_kwargs.qurl_int8`` (verl hands an engine nothing else of the config). The code-change tracker
-observes only weights the worker quantizes itself, so it is off with this engine; the FP8 KV scales and
-LoRA adapters stay refused by their own features' rows (they need the colocated sync).
+observes only weights the worker quantizes itself, so it is off with this engine; the sync features that need
+the colocated sync stay refused by their own rows (``rollout.features``).
 """
 from __future__ import annotations
 
