@@ -10,11 +10,15 @@ from __future__ import annotations
 import pytest
 
 from qurl_testkit.reload_harness import TrainerWeights, require_vllm, start_engine, stop_engine, sync_weights
+from qurl_verl import versions
 from qurl_verl.rollout import features
 from qurl_verl.rollout.sync_stats import combine_ranks
 from qurl_verl.settings import RolloutSettings
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
+# The feature mechanism is the project's Python, the same on both stacks: one engine start, on the default stack.
+ON_DEFAULT_STACK = versions.vllm_release(versions.installed_vllm_version()) != (0, 24)
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment"),
+              pytest.mark.skipif(not ON_DEFAULT_STACK, reason="the feature mechanism does not depend on vLLM's version")]
 
 EXTENSION = "qurl_testkit.toy_sync_feature.ToyFeatureWorkerExtension"
 
