@@ -50,7 +50,7 @@ REST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # codes are int8/f
 
 
 @dataclass
-class SyncStats:
+class TransferStats:
     """One sync as one side saw it: payload (tensor bytes) and metadata bytes through the group."""
 
     payload_bytes: int = 0
@@ -121,7 +121,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         self.world_size: int | None = None
         self.group = None
         self.store = None
-        self.last_stats = SyncStats()
+        self.last_stats = TransferStats()
         self._endpoint: tuple[str, int] | None = None
         self._syncs = 0
 
@@ -177,7 +177,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         work = self.group.broadcast([tensor], opts)
         await asyncio.to_thread(work.wait)
 
-    async def _send_bucket(self, buf: torch.Tensor, length: int, meta: dict, stats: SyncStats) -> None:
+    async def _send_bucket(self, buf: torch.Tensor, length: int, meta: dict, stats: TransferStats) -> None:
         blob = torch.frombuffer(bytearray(pickle.dumps(meta)), dtype=torch.uint8).to(self.device)
         await self._broadcast(torch.tensor([blob.numel(), length], dtype=torch.int64, device=self.device))
         await self._broadcast(blob)
@@ -187,7 +187,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         stats.payload_bytes += length
         stats.buckets += 1
 
-    async def _receive_bucket(self, stats: SyncStats) -> tuple[dict, torch.Tensor]:
+    async def _receive_bucket(self, stats: TransferStats) -> tuple[dict, torch.Tensor]:
         sizes = torch.empty(2, dtype=torch.int64, device=self.device)
         await self._broadcast(sizes)
         meta_len, length = (int(v) for v in sizes.tolist())
@@ -204,7 +204,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         return meta, buf
 
     def quantized_stream(self, weights: Iterable[tuple[str, torch.Tensor]],
-                         stats: SyncStats | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
+                         stats: TransferStats | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
         """What goes on the wire: ``quantize_state_dict`` of the trainer's tensors, as the worker would run it."""
         s = self.settings
         clock = time.perf_counter
@@ -231,7 +231,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
             for _ in weights:
                 pass
             return {}
-        stats = SyncStats()
+        stats = TransferStats()
         start = time.perf_counter()
         buf = torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device)
         bucket: dict[str, TensorMeta] = {}
@@ -255,7 +255,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
                     stats.payload_bytes, stats.buckets, stats.seconds)
         return stats.metrics()
 
-    async def _receive_chunks(self, stats: SyncStats) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
+    async def _receive_chunks(self, stats: TransferStats) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
         assert self.rank is not None and self.rank > 0, "actor rank 0 does not receive weights"
         while True:
             meta, buf = await self._receive_bucket(stats)
@@ -268,7 +268,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Yield the tensors as they arrived: 8-bit codes with their ``weight_scale``, the rest as sent."""
-        stats = SyncStats()
+        stats = TransferStats()
         start = time.perf_counter()
         async for name, tensor in merge_weight_chunks(self._receive_chunks(stats), self.bucket_size):
             yield name, tensor
