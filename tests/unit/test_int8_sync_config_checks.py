@@ -5,6 +5,7 @@ adapters stay refused (they need the colocated sync)."""
 from __future__ import annotations
 
 import pytest
+from test_config_checks import CPU_OK  # the driver tests' CPU overrides
 
 from qurl_recipes.compose import compose_ppo_config
 from qurl_verl import driver as qc
@@ -12,15 +13,6 @@ from qurl_verl.settings import QurlConfigError, uses_qurl
 
 pytestmark = pytest.mark.both_stacks
 
-CPU_OK = [  # as in test_config_checks
-    "actor_rollout_ref.rollout.name=vllm",
-    "actor_rollout_ref.actor.strategy=fsdp2",
-    "actor_rollout_ref.ref.strategy=fsdp2",
-    "actor_rollout_ref.model.use_remove_padding=false",
-    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-    "+actor_rollout_ref.rollout.enable_sleep_mode=false",
-    "trainer.device=cpu",
-]
 
 
 @pytest.fixture
