@@ -17,6 +17,7 @@ from qurl_verl.settings import (
     TRAINER_DTYPE_KEY,
     QurlConfigError,
     Requirement,
+    absent,
     problems,
     raise_problems,
     select,
@@ -99,15 +100,8 @@ def check_weight_sync_bucket(cfg: Any, model: ModelInfo) -> None:
 def check_cpu_overrides(cfg: Any) -> None:
     """Every override of ``CPU_REQUIRED`` that is missing, in one message; keys verl's schema lacks with '+'."""
     found = problems(cfg, CPU_REQUIRED)
-    found = [("+" if _absent(cfg, line.split("=", 1)[0]) else "") + line for line in found]
+    found = [("+" if absent(cfg, line.split("=", 1)[0]) else "") + line for line in found]
     raise_problems(CPU_OVERRIDES_HEADLINE, found)
-
-
-def _absent(cfg: Any, key: str) -> bool:
-    from omegaconf import DictConfig, OmegaConf
-
-    marker = object()
-    return isinstance(cfg, DictConfig) and OmegaConf.select(cfg, key, default=marker) is marker
 
 
 def rollout_ranks_per_node(cfg: Any) -> int:

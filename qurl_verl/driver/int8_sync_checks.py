@@ -21,6 +21,7 @@ from qurl_verl.settings.keys import (
     ROLLOUT_CUSTOM_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
+    override_text,
     show,
 )
 
@@ -76,7 +77,7 @@ def check_int8_sync(cfg: Any, rollout: RolloutSettings | None) -> None:
         raise QurlConfigError(
             f"{ENGINE} with {ROLLOUT_CUSTOM_KEY}.code_change_row_stride={rollout.code_change_row_stride}: the code-change "
             "tracker observes the weights the rollout worker quantizes, and with this engine the codes arrive "
-            f"quantized. Set {ROLLOUT_CUSTOM_KEY}.code_change_row_stride=0"
+            f"quantized. Set {override_text(cfg, f'{ROLLOUT_CUSTOM_KEY}.code_change_row_stride', 0)}"
         )
 
 

@@ -47,8 +47,10 @@ from .keys import (
     ROLLOUT_PARALLEL_KEYS,
     TRAINER_DTYPE_KEY,
     UAQ_KEY,
+    absent,
     cpu_platform_selected,
     dry_run,
+    override_text,
     select,
     show,
     uses_qurl,
@@ -85,7 +87,7 @@ __all__ = [
     "ROLLOUT_NAME", "ROLLOUT_NAME_KEY", "SUGGESTED_IS_THRESHOLD", "TRAINER_DTYPE_KEY", "UAQ_KEY", "UAQ_KEYS",
     "ExpertsPrecision", "LossMode", "LossSettings", "QurlConfigError", "QurlSettings", "Requirement",
     "RolloutFormat", "RolloutSettings", "UaqSettings", "cpu_platform_selected", "dry_run", "is_number",
-    "is_qurl_loss_config_target", "lora_adapter_rank", "lora_rank", "loss_problems", "problems", "raise_problems", "select", "show", "untruncated_weights_problem", "uses_qurl",
+    "is_qurl_loss_config_target", "lora_adapter_rank", "lora_rank", "loss_problems", "override_text", "absent", "problems", "raise_problems", "select", "show", "untruncated_weights_problem", "uses_qurl",
 ]
 
 

@@ -64,6 +64,19 @@ def select(cfg: Any, dotted: str, default: Any = None) -> Any:
     return default if node is None else node
 
 
+def absent(cfg: Any, key: str) -> bool:
+    """Whether ``key`` is missing from a Hydra config, so that an override must add it (``+key=value``)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    marker = object()
+    return isinstance(cfg, DictConfig) and OmegaConf.select(cfg, key, default=marker) is marker
+
+
+def override_text(cfg: Any, key: str, value: Any) -> str:
+    """The override that sets ``key`` to ``value`` on this config: with '+' where verl's schema lacks the key."""
+    return f"{'+' if absent(cfg, key) else ''}{key}={show(value)}"
+
+
 def show(value: Any) -> str:
     """A value as it is written in a Hydra override."""
     if value is None:
