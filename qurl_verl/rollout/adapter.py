@@ -28,6 +28,21 @@ from qurl_verl.settings import RolloutSettings
 logger = logging.getLogger("qurl_verl")
 
 
+def with_trainer_tensors(weights, extra):
+    """The weights followed by the features' own tensors, as the kind of iterator verl handed in: a generator in
+    the colocated sync, an async generator from a checkpoint engine's ``receive_weights`` (disaggregated)."""
+    if not hasattr(weights, "__aiter__"):
+        return itertools.chain(weights, *extra)
+
+    async def chained():
+        async for item in weights:
+            yield item
+        for item in itertools.chain(*extra):
+            yield item
+
+    return chained()
+
+
 class QurlServerAdapter(ServerAdapter):
     last_sync_stats: dict | None = None
     _sync_future = None  # the workers' results of the sync running now (verl awaits them and drops them)
@@ -62,7 +77,7 @@ class QurlServerAdapter(ServerAdapter):
                 "(checkpoint_engine.backend=delta_sharded) is not supported"
             )
         self._sync_future = None
-        weights = itertools.chain(weights, *(feature.trainer_tensors() for feature in self.qurl_features))
+        weights = with_trainer_tensors(weights, [feature.trainer_tensors() for feature in self.qurl_features])
         await super().update_weights(weights, global_steps=global_steps, wire_format=wire_format, **kwargs)
         if self._sync_future is None:
             return
