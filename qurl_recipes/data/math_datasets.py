@@ -5,7 +5,7 @@ Reads the evaluation sets and training samples shipped in the repository's `data
 `datasets.load_dataset`. Each recipe applies its own prompt template and picks data sources that
 route to the right scorer:
 
-* deepscaler: `deepscaler_<benchmark>`, graded by `qurl_recipes.rewards.boxed_math` (the last
+* deepscaler: `deepscaler_<benchmark>`, graded by `qurl_verl.recipe_rewards.boxed_math` (the last
   \\boxed{} answer, verl's PRM800K grader); one data source per benchmark, so verl reports
   validation accuracy per benchmark.
 * dapo: `math_dapo` for training and `aime2024` for validation, both dispatched by verl's
@@ -92,7 +92,7 @@ RECIPES: dict[str, RecipeData] = {
         prompt=deepscaler_prompt,
         train=Part(DEEPSCALER_TRAIN, "deepscaler_train"),
         val=tuple(Part(b, f"deepscaler_{b.name}") for b in (AIME2024, AMC, MATH500, MINERVA, OLYMPIAD_BENCH)),
-        reward_function="pkg://qurl_recipes.rewards.boxed_math",
+        reward_function="pkg://qurl_verl.recipe_rewards.boxed_math",
     ),
     "dapo": RecipeData(
         name="dapo",
