@@ -1,8 +1,10 @@
 """qurl-verl: QuRL quantized rollout (INT8/FP8 + ACR + UAQ) as a plugin for verl 0.9.1.
 
-The wheel holds what a verl user runs: the `qurl_verl` package (its presets and upstream
-work-arounds included) and the Hydra search-path plugin. The tiny model, data, rewards,
-evaluation and report tools (`qurl_recipes/`) stay in the repository, next to `recipes/`.
+The wheel holds what a verl user runs: the `qurl_verl` package (its presets, recipe configs and
+upstream work-arounds included), the reward functions those recipe configs name
+(`qurl_verl.recipe_rewards`: verl's reward workers import them, so they must be installed wherever
+a run starts) and the Hydra search-path plugin. The tiny model, data writers, evaluation and report
+tools (`qurl_recipes/`) stay in the repository, next to `recipes/`.
 """
 import re
 from pathlib import Path
