@@ -5,7 +5,7 @@
 Input is JSON lines, one scored sample per line, in either of two forms:
 
 * verl's validation dump (`trainer.validation_data_dir`, one `<step>.jsonl` per validation):
-  `score`, the reward's extra fields (`acc`, and `benchmark` from `qurl_recipes.rewards.boxed_math`)
+  `score`, the reward's extra fields (`acc`, and `benchmark` from `qurl_verl.recipe_rewards.boxed_math`)
   and `uid` = `<prompt uuid>_<session>_<sample>`, whose first part groups the samples of one
   problem. Rows without a benchmark field (verl's own scorers) count under `--source`.
 * plain rows `{"data_source": ..., "index": ..., "score": ...}` (or `acc` instead of `score`).

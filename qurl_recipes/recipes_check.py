@@ -47,6 +47,7 @@ SOURCE_RECORD = "written_from.txt"  # beside the parquet files: `shipped` or `hu
 RECIPE_SCRIPTS: dict[str, tuple[str, dict[str, str]]] = {
     "deepscaler": ("recipes/deepscaler/run.sh", {}),
     "dapo": ("recipes/dapo/run.sh", {"SIZE": "7b"}),
+    "dapo_1node": ("recipes/dapo/run.sh", {"SIZE": "7b_1node"}),
     "dapo_32b": ("recipes/dapo/run.sh", {"SIZE": "32b"}),
     "gsm8k_ppo": ("recipes/gsm8k_ppo/run.sh", {}),
 }
@@ -196,19 +197,25 @@ def _write_tiny(cfg: DictConfig, folder: Path, source: str) -> None:
 DATA_WRITERS: dict[str, Callable[[DictConfig, Path, str], None]] = {
     "deepscaler": _write_math("deepscaler"),
     "dapo": _write_math("dapo"),
+    "dapo_1node": _write_math("dapo"),
     "dapo_32b": _write_math("dapo"),
     "gsm8k_ppo": _write_gsm8k,
     "tiny_cpu": _write_tiny,
 }
 
 
+def _data_files(cfg: DictConfig) -> tuple[Path, Path]:
+    return tuple(Path(os.path.expanduser(str(OmegaConf.select(cfg, k)))) for k in ("data.train_files", "data.val_files"))
+
+
 def data_folder(cfg: DictConfig) -> Path:
-    """The folder of `data.train_files` / `data.val_files`, which the recipes write as train.parquet / val.parquet."""
-    train, val = (Path(os.path.expanduser(str(OmegaConf.select(cfg, k)))) for k in ("data.train_files", "data.val_files"))
-    if (train.name, val.name) != ("train.parquet", "val.parquet") or train.parent != val.parent:
+    """The folder of `data.train_files` / `data.val_files`, which the recipes write as train.parquet and
+    val*.parquet (val.parquet: every benchmark; deepscaler's val_aime2024.parquet: the one it checks in training)."""
+    train, val = _data_files(cfg)
+    if train.name != "train.parquet" or not (val.name.startswith("val") and val.suffix == ".parquet") or train.parent != val.parent:
         raise RecipeCheckError(
             f"data.train_files={train}, data.val_files={val}: the recipe's data is written as train.parquet and "
-            "val.parquet in one folder; point both there, or write your own files and skip --write-data"
+            "val*.parquet in one folder; point both there, or write your own files and skip --write-data"
         )
     return train.parent
 
@@ -220,7 +227,7 @@ def write_data(cfg: DictConfig, source: str = "shipped") -> Path | None:
         return None
     folder = data_folder(cfg)
     record = folder / SOURCE_RECORD
-    if (folder / "train.parquet").is_file() and (folder / "val.parquet").is_file():
+    if all(f.is_file() for f in (*_data_files(cfg), folder / "val.parquet")):
         written_from = record.read_text().strip() if record.is_file() else source
         if written_from != source:
             raise RecipeCheckError(
@@ -284,15 +291,25 @@ def check_overrides(overrides: Sequence[str]) -> DictConfig:
 
 
 def describe(cfg: DictConfig) -> str:
-    """One line: what the checked config would run."""
+    """One line: what the checked config would run (the context override only where a recipe sets one)."""
     sel = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
     uaq = sel("qurl.uaq.enable")
+    context = ""
+    trainer_len = sel("actor_rollout_ref.model.override_config.max_position_embeddings")
+    engine_len = sel("actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides.max_position_embeddings")
+    if trainer_len is not None or engine_len is not None:
+        context = f" max_position_embeddings=trainer:{trainer_len},vllm:{engine_len}"
+    steps = sel("trainer.total_training_steps")
+    validation = (f"val_only {Path(str(sel('data.val_files'))).name}" if sel("trainer.val_only") else
+                  f"val={Path(str(sel('data.val_files'))).name}@{sel('actor_rollout_ref.rollout.val_kwargs.n')}"
+                  f"/{sel('trainer.test_freq')}steps")
     return (
         f"model={sel('actor_rollout_ref.model.path')} rollout={sel('actor_rollout_ref.rollout.name')}"
         f"/{sel('actor_rollout_ref.rollout.quantization') or 'unquantized'} "
         f"loss={sel('actor_rollout_ref.actor.policy_loss.loss_mode')} uaq={'on' if uaq else 'off'} "
         f"adv={sel('algorithm.adv_estimator')} n={sel('actor_rollout_ref.rollout.n')} batch={sel('data.train_batch_size')} "
-        f"response={sel('data.max_response_length')} gpus={sel('trainer.nnodes')}x{sel('trainer.n_gpus_per_node')}"
+        f"response={sel('data.max_response_length')}{context} steps={steps if steps is not None else 'epochs'} "
+        f"{validation} gpus={sel('trainer.nnodes')}x{sel('trainer.n_gpus_per_node')}"
     )
 
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from qurl_recipes.rewards.chain_arithmetic import final_answer
 from qurl_recipes.study_fp8_kv import FP8KVCache, attention_hook
 from qurl_recipes.study_settings import Variant
 from qurl_verl.losses.acr import LOG_RATIO_BOUND
@@ -17,6 +16,7 @@ from qurl_verl.quant import QuantScheme, int_format, quantize_linear_modules_
 from qurl_verl.quant.linear import W8A8Linear
 from qurl_verl.quant.uaq import DEFAULT_UAQ_TARGETS
 from qurl_verl.quant.update_visibility import changed_code_count
+from qurl_verl.recipe_rewards.chain_arithmetic import final_answer
 
 
 def build_rollout(model: nn.Module, variant: Variant, weight_bits: int) -> nn.Module:

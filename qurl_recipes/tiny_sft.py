@@ -54,10 +54,10 @@ class SftSettings:
 def _grader(task: str):
     """Text -> graded integer, matching the reward the RL run uses for `task`."""
     if task == "chain_arithmetic":
-        from qurl_recipes.rewards.chain_arithmetic import final_answer
+        from qurl_verl.recipe_rewards.chain_arithmetic import final_answer
 
         return final_answer
-    from qurl_recipes.rewards.arithmetic import final_number
+    from qurl_verl.recipe_rewards.arithmetic import final_number
 
     return final_number
 

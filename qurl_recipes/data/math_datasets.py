@@ -5,7 +5,7 @@ Reads the evaluation sets and training samples shipped in the repository's `data
 `datasets.load_dataset`. Each recipe applies its own prompt template and picks data sources that
 route to the right scorer:
 
-* deepscaler: `deepscaler_<benchmark>`, graded by `qurl_recipes.rewards.boxed_math` (the last
+* deepscaler: `deepscaler_<benchmark>`, graded by `qurl_verl.recipe_rewards.boxed_math` (the last
   \\boxed{} answer, verl's PRM800K grader); one data source per benchmark, so verl reports
   validation accuracy per benchmark.
 * dapo: `math_dapo` for training and `aime2024` for validation, both dispatched by verl's
@@ -16,7 +16,7 @@ route to the right scorer:
     python -m qurl_recipes.data.math_datasets --recipe deepscaler --check-reward
 
 Each run writes `train.parquet` and `val.parquet` (all validation benchmarks, told apart by
-`data_source`).
+`data_source`); deepscaler also `val_aime2024.parquet`, its validation during training.
 """
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ class RecipeData:
     train: Part
     val: tuple[Part, ...]
     reward_function: str | None  # verl's reward.custom_reward_function.path; None: verl's default dispatch
+    val_subsets: tuple[tuple[str, str], ...] = ()  # (file stem, data source): a benchmark of val.parquet alone
 
     @property
     def parts(self) -> tuple[Part, ...]:
@@ -92,7 +93,8 @@ RECIPES: dict[str, RecipeData] = {
         prompt=deepscaler_prompt,
         train=Part(DEEPSCALER_TRAIN, "deepscaler_train"),
         val=tuple(Part(b, f"deepscaler_{b.name}") for b in (AIME2024, AMC, MATH500, MINERVA, OLYMPIAD_BENCH)),
-        reward_function="pkg://qurl_recipes.rewards.boxed_math",
+        reward_function="pkg://qurl_verl.recipe_rewards.boxed_math",
+        val_subsets=(("val_aime2024", "deepscaler_aime2024"),),  # validation during training, as DeepScaleR's
     ),
     "dapo": RecipeData(
         name="dapo",
@@ -120,10 +122,22 @@ def read_shipped(benchmark: Benchmark, data_dir: str | Path | None = None) -> li
         return [json.loads(line) for line in f if line.strip()]
 
 
+class HubDataError(RuntimeError):
+    """The full dataset could not be read from the Hugging Face hub (offline, no cache); the message says what to do."""
+
+
 def _hub_rows(dataset_id: str, split: str, config: str | None = None):
     import datasets
 
-    return datasets.load_dataset(dataset_id, config, split=split)
+    try:
+        return datasets.load_dataset(dataset_id, config, split=split)
+    except Exception as e:  # noqa: BLE001 - connection errors, offline mode, a missing cache: all the same fix
+        raise HubDataError(
+            f"cannot read {dataset_id} ({split}) from the Hugging Face hub: {type(e).__name__}: {e}. The GPU recipes "
+            "train on the full sets by default (DATA=hub). Download it where this machine can (`huggingface-cli download "
+            f"--repo-type dataset {dataset_id}`, then HF_HUB_OFFLINE=1 reads the cache), or run on the repository's "
+            "shipped sample with DATA=shipped (a start and a check, not the paper's setting)."
+        ) from e
 
 
 def _hub_deepscaler_train() -> list[dict]:
@@ -246,11 +260,12 @@ def load_records(part: Part, source: str = "shipped", data_dir: str | Path | Non
 
 
 def build_rows(recipe: str, source: str = "shipped", data_dir: str | Path | None = None) -> dict[str, list[dict]]:
-    """{"train": rows, "val": rows} for one recipe."""
+    """{"train": rows, "val": rows, <subset>: rows of one benchmark of val} for one recipe."""
     spec = recipe_spec(recipe)
     train = to_verl_rows(load_records(spec.train, source, data_dir), spec, spec.train, "train")
     val = [row for part in spec.val for row in to_verl_rows(load_records(part, source, data_dir), spec, part, "test")]
-    return {"train": train, "val": val}
+    subsets = {stem: [row for row in val if row["data_source"] == data_source] for stem, data_source in spec.val_subsets}
+    return {"train": train, "val": val, **subsets}
 
 
 def write_recipe_data(recipe: str, out_dir: str | Path, source: str = "shipped",
@@ -318,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.out:
             ap.error("--out is required unless --check-reward is given")
         paths = write_recipe_data(a.recipe, a.out, a.source, a.data_dir)
-    except MissingDataError as e:
+    except (MissingDataError, HubDataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for path in paths.values():

@@ -17,6 +17,7 @@ from qurl_recipes.data.math_datasets import (
 )
 
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")
+THOUGHT = "<think>\nLet me work through it.\n</think>\n"  # DeepScaleR's reward reads only what follows </think>
 
 
 def answer_response(recipe: str, answer: str) -> str:
@@ -27,7 +28,7 @@ def answer_response(recipe: str, answer: str) -> str:
     """
     if recipe_spec(recipe).prompt is dapo_prompt:
         return f"Let me work through it.\nAnswer: {answer}"
-    return f"<think>\nLet me work through it.\n</think>\nThe final answer is $\\boxed{{{_MATH_DELIMITER.sub('', answer)}}}$."
+    return f"{THOUGHT}The final answer is $\\boxed{{{_MATH_DELIMITER.sub('', answer)}}}$."
 
 
 def perturbed_answer(answer: str) -> str:
@@ -51,7 +52,7 @@ def reward_agreement(recipe: str, limit: int | None = None, data_dir: str | Path
 
     For each row: the reference answer written as the final answer must score correct; a
     perturbed answer must score wrong; where the origin's worked solution ends in a \\boxed{}
-    answer (MATH-style solutions), that solution as the response should score correct too (its
+    answer (MATH-style solutions), that solution as the response (after a closed thought) should score correct too (its
     boxed form may legitimately differ from the reference, e.g. rounding in Minerva).
     """
     spec = recipe_spec(recipe)
@@ -76,7 +77,7 @@ def reward_agreement(recipe: str, limit: int | None = None, data_dir: str | Path
             solution = rec.get("solution")
             if spec.prompt is deepscaler_prompt and solution and "\\boxed" in solution:
                 stats["solutions"] += 1
-                result = score(part.data_source, solution, gt, info)
+                result = score(part.data_source, THOUGHT + solution, gt, info)
                 stats["solution_correct"] += _score_is_correct(result)
                 if not _score_is_correct(result):
                     stats["solution_misses"].append((result.get("pred") if isinstance(result, dict) else None, gt))

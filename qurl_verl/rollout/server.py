@@ -12,7 +12,9 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
   server's own vLLM and platform (``engine_checks.check_quantized_experts``), as in the driver.
 * ``_preprocess_engine_kwargs``: the run's settings into vLLM's ``additional_config``, where every worker
   reads them, and what each sync feature adds to the engine's arguments, checked on this server's host
-  (``SyncFeature.engine_kwargs``).
+  (``SyncFeature.engine_kwargs``). A user's ``engine_kwargs.vllm.hf_overrides`` (the DAPO recipe's longer
+  context) gets the quantization config merged in: verl spreads ``engine_kwargs`` after its own
+  ``hf_overrides``, which would otherwise drop it.
 * ``_get_worker_extension_cls``: ``QurlWorkerExtension``, which reloads through vLLM's
   layerwise-reload lifecycle at every sync.
 * ``launch_server``: marks the engine's worker processes (an inherited environment variable) so
@@ -84,6 +86,8 @@ class QurlvLLMHttpServer(vLLMHttpServer):
         super()._preprocess_engine_kwargs(engine_kwargs)
         settings = RolloutSettings.from_rollout_config(self.config)
         engine_kwargs["additional_config"] = settings.additional_config(engine_kwargs.get("additional_config"))
+        if engine_kwargs.get("hf_overrides"):  # verl's own hf_overrides (the quantization config) would be replaced
+            engine_kwargs["hf_overrides"] = settings.merged_hf_overrides(engine_kwargs["hf_overrides"])
         for feature in sync_features.build(settings):
             feature.engine_kwargs(engine_kwargs, self.model_config.hf_config, self.model_config.path)
 

@@ -26,7 +26,7 @@ from qurl_verl.quant.scheme import FP8_BLOCK, FP8_CHANNEL, INT8_CHANNEL, QuantSc
 from qurl_verl.quant.update_visibility import DEFAULT_TRACKER_MAX_BYTES
 
 from .errors import QurlConfigError, is_number
-from .keys import QUANTIZATION_KEY, ROLLOUT_CUSTOM_KEY, ROLLOUT_NAME, select, show
+from .keys import QUANTIZATION_KEY, ROLLOUT_CUSTOM_KEY, ROLLOUT_KEY, ROLLOUT_NAME, select, show
 
 
 class RolloutFormat(str, enum.Enum):
@@ -212,6 +212,22 @@ class RolloutSettings:
         """(vLLM ``quantization``, ``hf_overrides``): what verl's server passes to the engine."""
         config = self.quantization_config()
         return (None, {}) if config is None else ("compressed-tensors", {"quantization_config": config})
+
+    def merged_hf_overrides(self, user: Mapping[str, Any] | None) -> dict:
+        """The user's ``engine_kwargs.vllm.hf_overrides`` with the engine's ``quantization_config`` added.
+
+        verl passes ``engine_kwargs`` after its own ``hf_overrides`` (``**engine_kwargs`` last), so a user's
+        ``hf_overrides`` (e.g. ``max_position_embeddings`` for a longer context) would replace the quantization
+        config; the server merges both here. The quantization config belongs to the preset."""
+        merged = dict((user or {}).items())
+        extra = self.engine_quantization()[1]
+        if "quantization_config" in merged and extra:
+            raise QurlConfigError(
+                f"{ROLLOUT_KEY}.engine_kwargs.vllm.hf_overrides.quantization_config: {ROLLOUT_NAME} builds the engine's "
+                "quantization config from rollout.quantization; remove that key"
+            )
+        merged.update(extra)
+        return merged
 
     @classmethod
     def from_rollout_config(cls, rollout: Any) -> RolloutSettings:

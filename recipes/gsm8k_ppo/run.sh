@@ -18,7 +18,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
-py="${PYTHON:-$root/.venv/bin/python}"
+py="${PYTHON:-python}"  # the GPU environment's python (the repository's .venv is the CPU demo stack)
 source "$root/recipes/recipe_args.sh"
 
 # The paper trains this setting without UAQ. qurl.uaq.* belongs to the preset, so it is turned off

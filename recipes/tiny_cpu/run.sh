@@ -54,7 +54,7 @@ start=$(date +%s)
   data.val_files="$data/val.parquet" \
   data.max_response_length="$max_response_length" \
   actor_rollout_ref.model.path="$model" \
-  reward.custom_reward_function.path="pkg://qurl_recipes.rewards.$task" \
+  reward.custom_reward_function.path="pkg://qurl_verl.recipe_rewards.$task" \
   trainer.total_training_steps="$steps" \
   "$@"
 "$py" -m qurl_recipes.run_summary "$metrics" --wall-s $(( $(date +%s) - start ))

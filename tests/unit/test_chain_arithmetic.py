@@ -16,7 +16,7 @@ from qurl_recipes.data.chain_arithmetic import (
     sft_pairs,
     write_parquet,
 )
-from qurl_recipes.rewards.chain_arithmetic import compute_score
+from qurl_verl.recipe_rewards.chain_arithmetic import compute_score
 
 _STEP = re.compile(r"^(\d+) ([+\-*]) (\d+) = (\d+)\.$")
 

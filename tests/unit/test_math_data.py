@@ -87,7 +87,7 @@ def test_parquet_loads_in_verl_rl_dataset(recipe, written, tokenizer):
 def test_data_sources_route_to_the_intended_scorers():
     from verl.utils.reward_score import default_compute_score
 
-    from qurl_recipes.rewards.boxed_math import compute_score
+    from qurl_verl.recipe_rewards.boxed_math import compute_score
 
     # DAPO: verl's own dispatch, math_dapo, reading the "Answer:" line
     for source in ("math_dapo", "aime2024"):
@@ -96,7 +96,7 @@ def test_data_sources_route_to_the_intended_scorers():
     # DeepScaleR: verl has no scorer for these sources, the recipe's reward owns them
     with pytest.raises(NotImplementedError):
         default_compute_score("deepscaler_aime2024", "\\boxed{25}", "25")
-    assert compute_score("deepscaler_aime2024", "so \\boxed{25}", "25")["acc"] is True
+    assert compute_score("deepscaler_aime2024", "</think> so \\boxed{25}", "25")["acc"] is True
     # anything else passes through to verl unchanged (plus the benchmark tag)
     passed = compute_score("math_dapo", "Answer: 7", "7")
     assert passed == {**default_compute_score("math_dapo", "Answer: 7", "7"), "benchmark": "math_dapo"}

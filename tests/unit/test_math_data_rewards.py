@@ -9,7 +9,7 @@ import pytest
 
 from qurl_recipes.data import math_datasets as md
 from qurl_recipes.data import reward_agreement
-from qurl_recipes.rewards.boxed_math import boxed_answer, compute_score
+from qurl_verl.recipe_rewards.boxed_math import boxed_answer, compute_score
 
 ROWS = 6
 
@@ -51,16 +51,34 @@ def test_dapo_reward_agrees_with_its_files():
 def test_boxed_reward_grades_equivalent_forms():
     assert boxed_answer("a \\boxed{1} then \\boxed{\\frac{1}{2}}.") == "\\frac{1}{2}"
     assert boxed_answer("no box") is None
-    ok = lambda response, gt, info=None: compute_score("deepscaler_math500", response, gt, info)["acc"]  # noqa: E731
+    ok = lambda response, gt, info=None: compute_score("deepscaler_math500", "</think>" + response, gt, info)["acc"]  # noqa: E731
     assert ok("\\boxed{\\dfrac{1}{2}}", "\\frac{1}{2}")
-    assert ok("\\boxed{0.5}", "\\frac{1}{2}")
+    assert ok("\\boxed{0.5}", "\\frac{1}{2}")  # a float against an exact fraction
+    assert ok("\\boxed{\\frac{1}{2}}", "0.5")  # an exact fraction against a float
     assert ok("\\boxed{(3, \\frac{\\pi}{2})}", "\\left( 3, \\frac{\\pi}{2} \\right)")
     assert not ok("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}")  # PRM800K rule: unreduced fractions are wrong
+    assert not ok("\\boxed{0.51}", "\\frac{1}{2}")
     assert not ok("The answer is 1/2.", "\\frac{1}{2}")  # the recipe asks for \boxed{}
     # Minerva's alternative accepted forms come through extra_info["answers"] (numpy array after parquet)
     import numpy as np
 
     info = {"answers": np.array(["4.5e33", "4.5 \\times 10^{33}"], dtype=object)}
     assert ok("\\boxed{4.5 \\times 10^{33}}", "4.5e33", info)
-    result = compute_score("deepscaler_minerva", "\\boxed{7}", "8")
+    result = compute_score("deepscaler_minerva", "</think>\\boxed{7}", "8")
     assert result == {"score": 0.0, "acc": False, "pred": "7", "benchmark": "deepscaler_minerva"}
+
+
+def test_boxed_reward_reads_only_the_answer_after_the_thought():
+    """DeepScaleR's rule: the answer after `</think>` only; no `</think>` (a truncated thought) scores 0."""
+    score = lambda response, gt="25": compute_score("deepscaler_aime2024", response, gt)  # noqa: E731
+    assert score("<think>\nwork\n</think>\nSo \\boxed{25}.")["score"] == 1.0
+    assert score("work, no opening tag\n</think>\n\\boxed{25}")["score"] == 1.0  # the template opens the thought
+    truncated = score("<think>\nI think it is \\boxed{25}, let me check once more and")
+    assert truncated == {"score": 0.0, "acc": False, "pred": "", "benchmark": "deepscaler_aime2024"}
+    assert score("\\boxed{25}")["score"] == 0.0  # no thought delimiter at all
+    assert score("<think>\\boxed{25}</think>\nThe answer is 25.")["score"] == 0.0  # boxed only inside the thought
+    assert score("<think>\\boxed{24}</think>\n\\boxed{25}")["score"] == 1.0  # the thought's box is not read
+    assert score("<think>a</think>\\boxed{25}</think>\\boxed{24}")["score"] == 1.0  # as DeepScaleR: up to a second </think>
+    assert score("</think>\\boxed{0.5}", "\\frac{1}{2}")["score"] == 1.0
+    # other data sources go to verl's own scorers unchanged: no </think> rule there
+    assert compute_score("math_dapo", "Answer: 7", "7")["acc"] is True

@@ -6,6 +6,7 @@ import json
 import subprocess
 
 import pytest
+from omegaconf import OmegaConf
 
 from qurl_recipes import recipes_check as rc
 from qurl_recipes.data import math_datasets as md
@@ -27,7 +28,7 @@ EXPECTED = {  # preset -> (rollout.quantization, loss_mode, UAQ)
 # three recipes with every preset of the weights (the FP8 KV presets with one: they change the rollout's
 # KV cache only, which test_recipe_group checks against every recipe); the 32B DAPO with the default preset
 MATRIX = [(r, p) for r in ("deepscaler", "dapo", "gsm8k_ppo") for p in PRESETS if not p.endswith("_fp8kv")] + [
-    ("deepscaler", "int8_fp8kv"), ("dapo_32b", "int8")]
+    ("deepscaler", "int8_fp8kv"), ("dapo_32b", "int8"), ("dapo_1node", "int8")]
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +88,28 @@ def test_recipe_with_preset_passes_driver_checks(recipe, preset, data_root, loca
         assert (rollout.n, rollout.temperature, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (8, 0.6, 128, 64)
         assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (2048, 8192)
         assert cfg.reward.custom_reward_function.path == md.RECIPES["deepscaler"].reward_function
-        assert (rollout.val_kwargs.n, rollout.val_kwargs.do_sample) == (32, True)
+        # in training: AIME 2024 at n = 8 every 20 steps, as DeepScaleR; the paper's Avg@32 is the VAL_ONLY run
+        assert (rollout.val_kwargs.n, rollout.val_kwargs.do_sample, cfg.trainer.test_freq) == (8, True, 20)
+        assert cfg.data.val_files == str(data_root / "deepscaler" / "val_aime2024.parquet")
+        assert cfg.trainer.total_training_steps == 1040
     else:
-        big = recipe == "dapo_32b"
-        assert cfg.actor_rollout_ref.model.path == ("Qwen/Qwen2.5-32B" if big else "Qwen/Qwen2.5-7B")
+        big, one_node = recipe == "dapo_32b", recipe == "dapo_1node"
+        assert cfg.actor_rollout_ref.model.path == ("Qwen/Qwen2.5-32B" if big else "Qwen/Qwen2.5-Math-7B")
         assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c, actor.loss_agg_mode) == (0.2, 0.28, 10.0, "token-mean")
         assert not actor.use_kl_loss and not cfg.algorithm.use_kl_in_reward
-        assert (rollout.n, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (16, 512, 32)
+        assert (rollout.n, cfg.data.train_batch_size, actor.ppo_mini_batch_size) == (16, 128 if one_node else 512, 32)
+        # one node: 4x the steps of 4x fewer prompts, so the same prompts and the same 3,200 optimizer updates
+        steps = cfg.trainer.total_training_steps
+        assert (steps, steps * cfg.data.train_batch_size // actor.ppo_mini_batch_size) == (800 if one_node else 200, 3200)
         assert cfg.reward.reward_manager.name == "dapo" and cfg.reward.custom_reward_function.path is None
         kw = cfg.reward.reward_kwargs
         assert dict(kw.overlong_buffer_cfg) == {"enable": True, "len": 4096, "penalty_factor": 1.0, "log": False}
         assert kw.max_resp_len == cfg.data.max_response_length == (20480 if big else 8192)
         assert (cfg.algorithm.filter_groups.enable, cfg.algorithm.filter_groups.metric) == (True, "acc")
-        assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == (128 if big else 64)
+        assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == (128 if big else 8 if one_node else 64)
+        context = (cfg.actor_rollout_ref.model.override_config.get("max_position_embeddings"),
+                   OmegaConf.select(rollout, "engine_kwargs.vllm.hf_overrides.max_position_embeddings"))
+        assert context == ((None, None) if big else (32768, 32768))
         assert rollout.val_kwargs.n == 32
 
 
@@ -111,6 +121,10 @@ def test_run_sh_command_lines():
     assert rc.recipe_overrides("dapo_32b", "fp8") == ["+qurl_recipe=dapo_32b", "+qurl=fp8", f"++qurl.uaq.cache_dir={rc.REPO}/outputs/uaq-cache"]
     assert rc.recipe_overrides("dapo", "bf16", env={"UAQ_CACHE_DIR": "/shared/uaq"})[2] == "++qurl.uaq.cache_dir=/shared/uaq"
     assert rc.recipe_overrides("dapo", "none") == ["+qurl_recipe=dapo", "actor_rollout_ref.rollout.name=vllm"]
+    assert rc.recipe_overrides("dapo_1node", "int8")[:2] == ["+qurl_recipe=dapo_1node", "+qurl=int8"]
+    assert rc.recipe_overrides("deepscaler", "int8", env={"VAL_ONLY": "1"}) == [
+        "+qurl_recipe=deepscaler", "+qurl=int8", "trainer.val_only=true", "trainer.val_before_train=true",
+        "data.val_files=${qurl_recipe.final_val_files}", "actor_rollout_ref.rollout.val_kwargs.n=32"]
     assert rc.recipe_overrides("gsm8k_ppo", "fp8") == ["+qurl_recipe=gsm8k_ppo", "+qurl=fp8", "qurl.uaq.enable=false"]
     assert rc.recipe_overrides("tiny_cpu", "int8") == ["+qurl_recipe=tiny_cpu", "+qurl=int8"]  # no script: the groups alone
 
@@ -124,7 +138,13 @@ def test_stock_rollout_and_extra_overrides():
 def test_run_sh_dry_run_entry_point(capsys):
     overrides = rc.recipe_overrides("dapo", "fp8")
     assert rc.main(["--dry-run", "--", *overrides]) == 0
-    assert "dry run ok: model=Qwen/Qwen2.5-7B rollout=qurl_vllm/fp8 loss=qurl_acr uaq=on adv=grpo" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "dry run ok: model=Qwen/Qwen2.5-Math-7B rollout=qurl_vllm/fp8 loss=qurl_acr uaq=on adv=grpo" in out
+    assert "response=8192 max_position_embeddings=trainer:32768,vllm:32768 steps=200 val=val.parquet@32/10steps gpus=8x8" in out
+    assert rc.main(["--dry-run", "--", *rc.recipe_overrides("deepscaler", "int8")]) == 0
+    assert "response=8192 steps=1040 val=val_aime2024.parquet@8/20steps gpus=1x8" in capsys.readouterr().out
+    assert rc.main(["--dry-run", "--", *rc.recipe_overrides("deepscaler", "bf16", env={"VAL_ONLY": "1"})]) == 0
+    assert "val_only val.parquet gpus=1x8" in capsys.readouterr().out
 
 
 def test_write_data_entry_point(tmp_path, capsys):
@@ -132,7 +152,8 @@ def test_write_data_entry_point(tmp_path, capsys):
     overrides = rc.recipe_overrides("deepscaler", "bf16")
     assert rc.main(["--write-data", "--data-root", str(tmp_path), "--", *overrides]) == 0
     assert f"deepscaler data (shipped): {tmp_path / 'deepscaler'}" in capsys.readouterr().out
-    assert sorted(p.name for p in (tmp_path / "deepscaler").iterdir()) == ["train.parquet", "val.parquet", rc.SOURCE_RECORD]
+    assert sorted(p.name for p in (tmp_path / "deepscaler").iterdir()) == [
+        "train.parquet", "val.parquet", "val_aime2024.parquet", rc.SOURCE_RECORD]
     assert rc.main(["--write-data", "--dry-run", "--data-root", str(tmp_path), "--", *overrides]) == 0
     assert "dry run ok: model=deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B rollout=qurl_vllm/bf16" in capsys.readouterr().out
     with pytest.raises(SystemExit):
@@ -147,7 +168,7 @@ def test_unknown_preset_is_named_with_the_choices(data_root):
     assert p.returncode == 2 and "unknown PRESET=int4; choose one of: bf16 fp8 fp8_fp8kv int8 int8_fp8kv naive_int8 tis_fp8 tis_int8" in p.stderr
     p = subprocess.run(["bash", "recipes/dapo/run.sh", "--print-overrides"], cwd=rc.REPO, capture_output=True,
                        text=True, env={"PATH": "/usr/bin:/bin", "SIZE": "70b"})
-    assert p.returncode == 2 and "unknown SIZE=70b; choose 7b or 32b" in p.stderr
+    assert p.returncode == 2 and "unknown SIZE=70b; choose 7b, 7b_1node or 32b" in p.stderr
 
 
 def test_missing_data_file(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from qurl_recipes.data.arithmetic import DATA_SOURCE, make_rows, write_parquet
-from qurl_recipes.rewards.arithmetic import compute_score
+from qurl_verl.recipe_rewards.arithmetic import compute_score
 
 
 def test_rows_are_deterministic_and_correct():
@@ -71,7 +71,7 @@ def test_cli_refuses_unknown_operators(tmp_path, capsys):
 
 
 def test_exact_reward_has_no_shaping():
-    from qurl_recipes.rewards.arithmetic import compute_exact_score
+    from qurl_verl.recipe_rewards.arithmetic import compute_exact_score
 
     assert compute_exact_score(DATA_SOURCE, "19", "19") == {"score": 1.0, "acc": 1.0}
     assert compute_exact_score(DATA_SOURCE, "-3", "-3")["score"] == 1.0

@@ -8,12 +8,17 @@ scorers it does dispatch compare strings (`math_reward`) or the boxed text verba
 (`math_dapo`). This module only extracts the boxed answer (verl's `last_boxed_only_string`) and
 calls verl's grader; it grades nothing itself.
 
+The thought delimiter is handled as DeepScaleR's reward handles it: only the text after `</think>`
+is read (up to a second `</think>`, as DeepScaleR splits on it), and a response without `</think>`
+scores 0 whatever it boxes. A response cut off at the length limit is therefore never rewarded for
+an answer written while thinking, which is what the 8k stage relies on to shorten the thought. The
+opening `<think>` is not required: the chat template of R1-distilled models puts it in the prompt.
+
 Data sources written by `qurl_recipes.data.math_datasets` for this recipe start with `deepscaler_`
 (one per benchmark, so verl reports validation accuracy per benchmark). Any other data source is
-passed to verl's `default_compute_score` unchanged. Unlike DeepScaleR, a missing `</think>` is not
-penalised: the chat template of R1-distilled models may already open the thought in the prompt.
+passed to verl's `default_compute_score` unchanged.
 
-Use with `reward.custom_reward_function.path=pkg://qurl_recipes.rewards.boxed_math`.
+Use with `reward.custom_reward_function.path=pkg://qurl_verl.recipe_rewards.boxed_math`.
 """
 from __future__ import annotations
 
@@ -21,6 +26,14 @@ from collections.abc import Mapping
 from typing import Any
 
 DATA_SOURCE_PREFIX = "deepscaler_"
+THINK_END = "</think>"
+
+
+def final_part(response: str) -> str | None:
+    """What DeepScaleR grades: the text after the first `</think>` (up to a second one); None without one."""
+    if THINK_END not in response:
+        return None
+    return response.split(THINK_END)[1]
 
 
 def boxed_answer(response: str) -> str | None:
@@ -41,7 +54,7 @@ def reference_answers(ground_truth: Any, extra_info: Any = None) -> list[str]:
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> dict:
-    """verl custom reward signature: 1.0 for a correct final boxed answer, else 0.0."""
+    """verl custom reward signature: 1.0 for a correct boxed answer after `</think>`, else 0.0."""
     if not str(data_source).startswith(DATA_SOURCE_PREFIX):
         from verl.utils.reward_score import default_compute_score
 
@@ -52,7 +65,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
     from verl.utils.reward_score.prime_math import grade_answer
 
-    pred = boxed_answer(solution_str)
+    final = final_part(str(solution_str))
+    pred = None if final is None else boxed_answer(final)
     correct = pred is not None and any(grade_answer(pred, ref) for ref in reference_answers(ground_truth, extra_info))
     # `benchmark` is a string, so verl leaves it out of the metrics but writes it into the
     # validation dump, where qurl_recipes.evaluation groups samples by it.
