@@ -14,6 +14,11 @@ directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``), so it neither joins nor 
 group that both sides already own. Bucket metadata (names, shapes, dtypes, offsets) travels in the same
 group before each bucket's bytes.
 
+What reaches the logger: verl keeps only the sender's return value. It carries the transfer's bytes, times and
+the checksum of what was sent, and, gathered from the rollout ranks at the start of each sync, their report of
+the previous one (what the ``qurl_vllm`` workers loaded, under the colocated sync's ``actor/qurl/sync/*`` names,
+one sync late): a report exists only once the rollout has loaded the weights, after the sender returned.
+
 The trainer side needs the rollout's quantization: ``engine_kwargs.qurl_int8`` carries it
 (``quantization``, ``ignore``, ``weight_bits``, ``experts``), and the driver refuses a run whose
 engine_kwargs disagree with ``actor_rollout_ref.rollout`` (``qurl_verl.driver.checks``).
@@ -41,6 +46,7 @@ from verl.checkpoint_engine.base import (
 )
 
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
+from qurl_verl.rollout.sync_stats import StreamStats, rollout_report_metrics, take_rollout_report
 
 from .engine_settings import ENGINE_NAME, rollout_settings
 
@@ -61,6 +67,9 @@ class TransferStats:
     seconds: float = 0.0
     quantize_s: float = 0.0
     dtype_bytes: dict[str, int] = field(default_factory=dict)
+    # the sender's checksum of what it sent, by name (``StreamStats.add_checksum``): the rollout's stream reports
+    # the same number for what it handed its engine when the codes arrived bit for bit
+    checksum: int = 0
 
     def metrics(self, prefix: str = "qurl_sync") -> dict[str, float]:
         return {
@@ -70,6 +79,7 @@ class TransferStats:
             f"{prefix}/quantized_tensors": float(self.quantized),
             f"{prefix}/seconds": self.seconds,
             f"{prefix}/quantize_s": self.quantize_s,
+            f"{prefix}/checksum": float(self.checksum),
         }
 
 
@@ -203,17 +213,34 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         stats.buckets += 1
         return meta, buf
 
+    async def _gather_reports(self, report: tuple[int, dict] | None) -> list[tuple[int, dict]]:
+        """Every rank's report of the previous sync (the rollout adapters'; none from the sender), gathered at
+        the start of this one: the sender's return value is the channel verl keeps to the logger."""
+        blob = torch.frombuffer(bytearray(pickle.dumps(report)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        await asyncio.to_thread(self.group.allgather([sizes], [torch.tensor([blob.numel()], device=self.device)]).wait)
+        longest = max(int(t.item()) for t in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.device)
+        padded[: blob.numel()].copy_(blob)
+        blobs = [torch.empty(longest, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+        await asyncio.to_thread(self.group.allgather([blobs], [padded]).wait)
+        reports = (pickle.loads(b[: int(n.item())].cpu().numpy().tobytes()) for b, n in zip(blobs, sizes))
+        return [r for r in reports if r is not None]
+
     def quantized_stream(self, weights: Iterable[tuple[str, torch.Tensor]],
                          stats: TransferStats | None = None) -> Generator[tuple[str, torch.Tensor], None, None]:
         """What goes on the wire: ``quantize_state_dict`` of the trainer's tensors, as the worker would run it."""
         s = self.settings
         clock = time.perf_counter
+        checksum = StreamStats() if stats is not None else None
         it = iter(quantize_state_dict(weights, s.quant_scheme, ignore=s.ignore_patterns))
         while True:
             start = clock()
             try:
                 name, tensor = next(it)
             except StopIteration:
+                if stats is not None:
+                    stats.checksum = checksum.checksum
                 return
             if stats is not None:
                 stats.quantize_s += clock() - start
@@ -221,7 +248,10 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
                 stats.quantized += name.endswith("weight_scale")
             if self.rest_dtype is not None and tensor.dtype in REST_DTYPES and not name.endswith("weight_scale"):
                 tensor = tensor.to(self.rest_dtype)
-            yield name, tensor.detach().to(self.device).contiguous()
+            tensor = tensor.detach().to(self.device).contiguous()
+            if checksum is not None:
+                checksum.add_checksum(((name, tensor),))
+            yield name, tensor
 
     @torch.no_grad()
     async def send_weights(self, weights: Generator[tuple[str, torch.Tensor], None, None],
@@ -231,6 +261,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
             for _ in weights:
                 pass
             return {}
+        reports = await self._gather_reports(None)
         stats = TransferStats()
         start = time.perf_counter()
         buf = torch.empty(self.bucket_size, dtype=torch.uint8, device=self.device)
@@ -253,7 +284,17 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         self.last_stats = stats
         logger.info("qurl_int8 sync %s: %d payload bytes in %d buckets, %.2fs", global_steps,
                     stats.payload_bytes, stats.buckets, stats.seconds)
-        return stats.metrics()
+        return {**stats.metrics(), **self._rollout_metrics(reports)}
+
+    @staticmethod
+    def _rollout_metrics(reports: list[tuple[int, dict]]) -> dict[str, float]:
+        """The rollout's reports of the previous sync under the colocated sync's names (one sync late: a report
+        exists once the rollout has loaded the weights, after the sender returned)."""
+        if not reports:
+            return {}
+        from qurl_verl.rollout import features
+
+        return {**rollout_report_metrics(reports, features.stats_types()), "qurl_sync/rollout_reports": float(len(reports))}
 
     async def _receive_chunks(self, stats: TransferStats) -> AsyncGenerator[tuple[TensorMeta, torch.Tensor], None]:
         assert self.rank is not None and self.rank > 0, "actor rank 0 does not receive weights"
@@ -268,6 +309,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Yield the tensors as they arrived: 8-bit codes with their ``weight_scale``, the rest as sent."""
+        await self._gather_reports(take_rollout_report())
         stats = TransferStats()
         start = time.perf_counter()
         async for name, tensor in merge_weight_chunks(self._receive_chunks(stats), self.bucket_size):

@@ -22,7 +22,7 @@ from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 from qurl_verl.patches import qurl_vllm as qurl_vllm_patches
 from qurl_verl.patches.qurl_vllm import loss_metrics_channel
 from qurl_verl.rollout import features as sync_features
-from qurl_verl.rollout.sync_stats import combine_ranks, metric_groups
+from qurl_verl.rollout.sync_stats import combine_ranks, metric_groups, post_rollout_report
 from qurl_verl.settings import RolloutSettings
 
 logger = logging.getLogger("qurl_verl")
@@ -77,6 +77,7 @@ class QurlServerAdapter(ServerAdapter):
                 "(checkpoint_engine.backend=delta_sharded) is not supported"
             )
         self._sync_future = None
+        from_checkpoint_engine = hasattr(weights, "__aiter__")  # a disaggregated rollout's receive_weights
         weights = with_trainer_tensors(weights, [feature.trainer_tensors() for feature in self.qurl_features])
         await super().update_weights(weights, global_steps=global_steps, wire_format=wire_format, **kwargs)
         if self._sync_future is None:
@@ -89,6 +90,8 @@ class QurlServerAdapter(ServerAdapter):
         if not report:
             return
         self.last_sync_stats = stats
+        if from_checkpoint_engine:
+            post_rollout_report(getattr(self, "replica_rank", 0), stats)
         for prefix, metrics in metric_groups(stats, getattr(self, "replica_rank", 0), sync_features.stats_types()).items():
             loss_metrics_channel.publish(metrics, replace_prefix=prefix)
 

@@ -193,3 +193,30 @@ def metric_groups(stats: dict | None, replica_rank: int = 0, feature_stats: Sequ
         name = f"{prefix}{key}/replica_{replica_rank}" if key == "checksum" else f"{prefix}{key}"
         groups.setdefault(prefix, {})[name] = float(value)
     return groups
+
+
+# The rollout's report of its last sync, in a disaggregated rollout: the adapter that loaded the weights lives
+# in the rollout's process (verl's ``CheckpointEngineWorker``), whose results verl drops, so the report waits
+# here for the checkpoint engine, which carries it to the trainer at the start of the next sync.
+_rollout_report: list[tuple[int, dict]] = []
+
+
+def post_rollout_report(replica_rank: int, stats: dict) -> None:
+    """Keep this process's last sync report (``combine_ranks`` row) for the checkpoint engine to carry."""
+    _rollout_report[:] = [(replica_rank, dict(stats))]
+
+
+def take_rollout_report() -> tuple[int, dict] | None:
+    """The report posted since the last call, once (None if there is none)."""
+    return _rollout_report.pop() if _rollout_report else None
+
+
+def rollout_report_metrics(reports: Sequence[tuple[int, dict]], feature_stats: Sequence[type] = ()) -> dict[str, float]:
+    """The rollout ranks' reports as the colocated sync logs them (``actor/`` + ``metric_groups``): one key per
+    replica for the checksum, the mean over the reports (verl's reduction of a metric over ranks) for the rest."""
+    sums: dict[str, list[float]] = {}
+    for replica_rank, stats in reports:
+        for metrics in metric_groups(stats, replica_rank, feature_stats).values():
+            for name, value in metrics.items():
+                sums.setdefault(f"actor/{name}", []).append(value)
+    return {name: sum(values) / len(values) for name, values in sums.items()}

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from qurl_verl.checkpoint_engine.engine_settings import ENGINE_NAME
 from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
+from qurl_verl.rollout.sync_stats import StreamStats, post_rollout_report
 from qurl_verl.settings import RolloutSettings
 
 BUCKET = 64 << 10  # small, so that several tensors span buckets and one spans several
@@ -65,33 +66,44 @@ def from_wire(wire: tuple) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
 
 
+SYNCS = 2  # the second carries the rollout's report of the first
+
+
 def _run(side: str, quantization: str, queue, results) -> None:
     torch.set_num_threads(1)
 
     async def main():
-        if side == "trainer":
-            engine = QurlInt8CheckpointEngine(BUCKET, is_master=True, quantization=quantization, device="cpu")
-            meta = engine.prepare()
-            queue.put(meta)
-            actor, _ = QurlInt8CheckpointEngine.build_topology(1, 1, [meta, None])
-            engine.init_process_group(**{k: v[0] for k, v in actor.items()})
-            metrics = await engine.send_weights(iter(tiny_state().items()), global_steps=1)
+        engine = QurlInt8CheckpointEngine(BUCKET, is_master=side == "trainer", quantization=quantization, device="cpu")
+        out = []
+        for step in range(1, SYNCS + 1):
+            if side == "trainer":
+                meta = engine.prepare()
+                queue.put(meta)
+                actor, _ = QurlInt8CheckpointEngine.build_topology(1, 1, [meta, None])
+                engine.init_process_group(**{k: v[0] for k, v in actor.items()})
+                metrics = await engine.send_weights(iter(tiny_state(step).items()), global_steps=step)
+                out.append((metrics, engine.last_stats.payload_bytes, engine.last_stats.buckets))
+            else:
+                assert engine.prepare() is None
+                meta = queue.get(timeout=60)
+                _, rollout = QurlInt8CheckpointEngine.build_topology(1, 1, [meta, None])
+                engine.init_process_group(**{k: v[0] for k, v in rollout.items()})
+                received = [(n, t) async for n, t in engine.receive_weights(global_steps=step)]
+                # what the rollout's adapter posts once its workers loaded the sync: here the stream's checksum
+                loaded = StreamStats()
+                loaded.add_checksum(received)
+                post_rollout_report(0, {"checksum": loaded.checksum, "quantized": 14})
+                out.append(([(n, to_wire(t)) for n, t in received], engine.last_stats.payload_bytes,
+                            engine.last_stats.buckets))
             engine.finalize()
-            results.put(pickle.dumps(("trainer", metrics, engine.last_stats.payload_bytes, engine.last_stats.buckets)))
-        else:
-            engine = QurlInt8CheckpointEngine(BUCKET, is_master=False, quantization=quantization, device="cpu")
-            assert engine.prepare() is None
-            meta = queue.get(timeout=60)
-            _, rollout = QurlInt8CheckpointEngine.build_topology(1, 1, [meta, None])
-            engine.init_process_group(**{k: v[0] for k, v in rollout.items()})
-            received = [(n, to_wire(t)) async for n, t in engine.receive_weights(global_steps=1)]
-            engine.finalize()
-            results.put(pickle.dumps(("rollout", received, engine.last_stats.payload_bytes, engine.last_stats.buckets)))
+        results.put(pickle.dumps((side, out)))
 
     asyncio.run(main())
 
 
-def sync_once(quantization: str):
+def sync_twice(quantization: str):
+    """Two syncs between a trainer and a rollout process: {side: [per sync: (what it got or returned, bytes,
+    buckets)]}."""
     ctx = mp.get_context("spawn")
     queue, results = ctx.Queue(), ctx.Queue()
     procs = [ctx.Process(target=_run, args=(side, quantization, queue, results)) for side in ("trainer", "rollout")]
@@ -99,9 +111,9 @@ def sync_once(quantization: str):
         p.start()
     out = {}
     for _ in procs:
-        side, *rest = pickle.loads(results.get(timeout=120))  # bytes: no tensor fd sharing
-        out[side] = rest
-    out["rollout"][0] = [(n, from_wire(t)) for n, t in out["rollout"][0]]
+        side, syncs = pickle.loads(results.get(timeout=120))  # bytes: no tensor fd sharing
+        out[side] = syncs
+    out["rollout"] = [([(n, from_wire(t)) for n, t in received], *rest) for received, *rest in out["rollout"]]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -114,26 +126,36 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
 def test_rollout_receives_the_codes_bit_for_bit(quantization):
-    out = sync_once(quantization)
-    received, rollout_bytes, rollout_buckets = out["rollout"]
-    metrics, trainer_bytes, trainer_buckets = out["trainer"]
-
+    out = sync_twice(quantization)
     settings = RolloutSettings(format=quantization)
-    state = tiny_state()
-    expected = list(quantize_state_dict(state.items(), settings.quant_scheme, ignore=settings.ignore_patterns))
-    assert [n for n, _ in received] == [n for n, _ in expected]
-    for (name, got), (_, want) in zip(received, expected):
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert torch.equal(as_bits(got), as_bits(want)), name
-    codes = [n for n, t in received if t.element_size() == 1]
-    assert len(codes) == 14 and all(n.endswith("_proj.weight") for n in codes)
-    assert ("lm_head.weight", state["lm_head.weight"].dtype) in [(n, t.dtype) for n, t in received]
+    for step, ((received, rollout_bytes, rollout_buckets), (metrics, trainer_bytes, trainer_buckets)) in enumerate(
+            zip(out["rollout"], out["trainer"]), start=1):
+        state = tiny_state(step)
+        expected = list(quantize_state_dict(state.items(), settings.quant_scheme, ignore=settings.ignore_patterns))
+        assert [n for n, _ in received] == [n for n, _ in expected]
+        for (name, got), (_, want) in zip(received, expected):
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert torch.equal(as_bits(got), as_bits(want)), name
+        codes = [n for n, t in received if t.element_size() == 1]
+        assert len(codes) == 14 and all(n.endswith("_proj.weight") for n in codes)
+        assert ("lm_head.weight", state["lm_head.weight"].dtype) in [(n, t.dtype) for n, t in received]
 
-    # the wire carries codes + scales + rest, nothing else
-    assert trainer_bytes == rollout_bytes == expected_bytes(state, quantization)
-    assert metrics["qurl_sync/payload_bytes"] == trainer_bytes
-    assert trainer_buckets == rollout_buckets > 2
-    assert trainer_bytes < 0.6 * sum(t.numel() * 4 for t in state.values())  # embed + lm_head dominate here
+        # the wire carries codes + scales + rest, nothing else
+        assert trainer_bytes == rollout_bytes == expected_bytes(state, quantization)
+        assert metrics["qurl_sync/payload_bytes"] == trainer_bytes
+        assert trainer_buckets == rollout_buckets > 2
+        assert trainer_bytes < 0.6 * sum(t.numel() * 4 for t in state.values())  # embed + lm_head dominate here
+        # the sender's checksum is the stream's checksum of the direct quantization (computed here)
+        direct = StreamStats()
+        direct.add_checksum(expected)
+        assert metrics["qurl_sync/checksum"] == direct.checksum
+
+    # the rollout's report of sync 1 reached the sender's return value at sync 2, under the colocated names
+    first, second = out["trainer"][0][0], out["trainer"][1][0]
+    assert not any(k.startswith("actor/") for k in first) and "qurl_sync/rollout_reports" not in first
+    assert second["qurl_sync/rollout_reports"] == 1
+    assert second["actor/qurl/sync/checksum/replica_0"] == first["qurl_sync/checksum"]
+    assert second["actor/qurl/sync/quantized"] == 14
 
 
 def test_registered_and_refuses_bf16():

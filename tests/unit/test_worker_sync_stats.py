@@ -125,3 +125,41 @@ def test_a_step_that_synced_the_lora_base_then_the_adapters_reports_both():
     both.transform(base_tensors)
     both.stats.add_checksum(adapter_tensors)
     assert step["checksum"] == both.stats.checksum
+
+
+def test_a_disaggregated_rollouts_reports_read_as_the_colocated_sync_logs_them():
+    """Two replicas' reports, carried to the sender by the checkpoint engine: the checksum one key per replica,
+    the rest the mean over the reports (verl's reduction of a metric over ranks), under ``actor/qurl/sync/``."""
+    from qurl_verl.rollout.sync_stats import post_rollout_report, rollout_report_metrics, take_rollout_report
+
+    reports = [(0, {"checksum": 11, "quantized": 14, "total_s": 1.0}), (1, {"checksum": 12, "quantized": 14, "total_s": 3.0})]
+    metrics = rollout_report_metrics(reports)
+    assert metrics == {"actor/qurl/sync/checksum/replica_0": 11.0, "actor/qurl/sync/checksum/replica_1": 12.0,
+                       "actor/qurl/sync/quantized": 14.0, "actor/qurl/sync/total_s": 2.0}
+    assert take_rollout_report() is None
+    post_rollout_report(1, reports[0][1])
+    post_rollout_report(1, reports[1][1])  # a later sync's report replaces an untaken one
+    assert take_rollout_report() == reports[1] and take_rollout_report() is None
+
+
+def test_the_adapter_appends_the_features_tensors_to_either_kind_of_weight_iterator():
+    """Colocated syncs hand the adapter a generator, a checkpoint engine's ``receive_weights`` an async one
+    (verl's sender then iterates it asynchronously): the features' tensors follow the weights in both."""
+    import asyncio
+
+    pytest.importorskip("verl")
+    from qurl_verl.rollout.adapter import with_trainer_tensors
+
+    weights = [("a", 1), ("b", 2)]
+    extra = [[("k_scale", 3)], []]
+    assert list(with_trainer_tensors(iter(weights), extra)) == weights + extra[0]
+
+    async def received():
+        for item in weights:
+            yield item
+
+    async def drain(it):
+        assert hasattr(it, "__aiter__") and not hasattr(it, "__iter__")
+        return [item async for item in it]
+
+    assert asyncio.run(drain(with_trainer_tensors(received(), extra))) == weights + extra[0]
