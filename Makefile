@@ -36,7 +36,7 @@ test: lint
 	( bash scripts/install_cpu_stack.sh 0.24 > $(REPORTS)/install-vllm024.log 2>&1; \
 	  echo $$? > $(REPORTS)/install-vllm024.rc ) & installing=$$!; \
 	( $(PY) -m pytest tests/install -ra $(call TIMED,install) > $(REPORTS)/install.log 2>&1 ) & resolving=$$!; \
-	$(MAKE) --no-print-directory test-vllm032 PYTEST_ARGS="tests/unit tests/integration tests/e2e" || status=1; \
+	$(MAKE) --no-print-directory test-vllm032 || status=1; \
 	echo "[tests] vllm032: $$(( $$(date +%s) - start )) s wall"; \
 	wait $$resolving || { cat $(REPORTS)/install.log; status=1; }; tail -n 1 $(REPORTS)/install.log; \
 	wait $$installing; start=$$(date +%s); \
@@ -46,24 +46,36 @@ test: lint
 	  $(MAKE) --no-print-directory test-vllm024 || status=1; \
 	  echo "[tests] vllm024: $$(( $$(date +%s) - start )) s wall after its install"; \
 	fi; \
-	python3 scripts/test_report.py $(REPORTS)/vllm032.xml $(REPORTS)/install.xml $(REPORTS)/vllm024.xml; \
+	python3 scripts/test_report.py $(REPORTS)/vllm032.unit.xml $(REPORTS)/vllm032.xml $(REPORTS)/install.xml \
+	  $(REPORTS)/vllm024.unit.xml $(REPORTS)/vllm024.xml; \
 	exit $$status
 
 # ruff.toml: pyflakes, pycodestyle errors, bugbear, import order, pyupgrade; over the whole repository
 lint: venv
 	.venv/bin/ruff check .
 
+# Unit tests run on two workers (pytest-xdist, a file per worker): most of their time is Python importing
+# verl, vLLM and Ray in subprocesses, which two cores overlap. Engines and main_ppo runs stay one at a time
+# (tests/README.md): each already uses both cores.
+UNIT_WORKERS ?= 2
 test-vllm032: venv
-	$(PY) -m pytest -ra $(call TIMED,vllm032) $(PYTEST_ARGS)
+	@status=0; \
+	$(PY) -m pytest -ra -n $(UNIT_WORKERS) --dist loadfile $(call TIMED,vllm032.unit) tests/unit || status=1; \
+	$(PY) -m pytest -ra $(call TIMED,vllm032) tests/integration tests/e2e || status=1; \
+	exit $$status
 
 test-vllm024: venv-vllm024
-	$(PY_VLLM024) -m pytest -ra $(call TIMED,vllm024) $(VLLM024_TESTS)
+	@status=0; \
+	$(PY_VLLM024) -m pytest -ra -n $(UNIT_WORKERS) --dist loadfile $(call TIMED,vllm024.unit) $(VLLM024_TESTS) tests/unit \
+	  || status=1; \
+	$(PY_VLLM024) -m pytest -ra $(call TIMED,vllm024) $(VLLM024_TESTS) tests/integration tests/e2e || status=1; \
+	exit $$status
 
 test-install: venv
 	$(PY) -m pytest tests/install -ra
 
 test-unit: venv
-	$(PY) -m pytest tests/unit -ra
+	$(PY) -m pytest tests/unit -ra -n $(UNIT_WORKERS) --dist loadfile
 
 test-integration: venv
 	$(PY) -m pytest tests/integration -ra

@@ -1,7 +1,8 @@
 """Per-stack totals and the slowest tests of a `make test` run, from the JUnit XML files pytest wrote.
 
 Usage: python scripts/test_report.py [--slowest N] REPORT.xml [REPORT.xml ...]
-Each file is one stack (its name without .xml labels it); a missing file is reported as not run.
+Each stack is the files whose names start with its label before the first dot (``vllm032.xml`` and
+``vllm032.unit.xml``: the stack's serial and parallel runs); a missing file is reported as not run.
 Prints, per stack: tests, failures, errors, skipped and seconds, split by layer (tests/<layer>/...);
 then the N slowest tests of all stacks together, and one closing line with the counts of all stacks. Standard library only (any Python runs it).
 """
@@ -35,12 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     everything = []
     print("[tests] per stack (seconds in tests; installs and start-up not included)")
+    stacks: dict[str, list[Path]] = {}
     for path in args.reports:
-        stack = path.stem
-        if not path.exists():
-            print(f"[tests] {stack}: not run (no {path})")
-            continue
-        cases = read_cases(path)
+        stacks.setdefault(path.name.split(".")[0], []).append(path)
+    for stack, paths in stacks.items():
+        missing = [p for p in paths if not p.exists()]
+        if missing:
+            print(f"[tests] {stack}: not run (no {', '.join(map(str, missing))})")
+            if len(missing) == len(paths):
+                continue
+        cases = [c for p in paths if p.exists() for c in read_cases(p)]
         everything += [{**c, "stack": stack} for c in cases]
         counts = defaultdict(int)
         layers = defaultdict(float)

