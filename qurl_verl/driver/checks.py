@@ -41,6 +41,7 @@ from qurl_verl.rollout.engine_checks import (
     check_cpu_rollout_format,
     check_fp8_block_shapes,
     check_fp8_hardware,
+    check_int8_hardware,
     check_quantized_experts,
     check_vllm_version,
 )
@@ -261,6 +262,8 @@ CHECKS = (
           f"remove {ROLLOUT_CUSTOM_KEY}.experts"),
     Check("FP8 runs W8A8 on this GPU", _qurl_vllm,  # the servers check again on their GPUs
           lambda r: check_fp8_hardware(r.rollout, r.host.cuda_capability), f"Use {QUANTIZATION_KEY}=int8"),
+    Check("INT8 runs W8A8 on this GPU", _qurl_vllm,  # the servers check again on their GPUs
+          lambda r: check_int8_hardware(r.rollout, r.host.cuda_capability), "bf16 preset"),
     Check("fp8_block: every rank's part of a layer is whole 128 x 128 blocks", _qurl_vllm,  # the servers check again
           lambda r: check_fp8_block_shapes(r.rollout, r.model.config, int(select(r.cfg, ROLLOUT_PARALLEL_KEYS[0], 1) or 1)),
           "tensor_model_parallel_size="),

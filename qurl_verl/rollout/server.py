@@ -44,6 +44,7 @@ from qurl_verl.rollout.engine_checks import (
     check_architecture,
     check_fp8_block_shapes,
     check_fp8_hardware,
+    check_int8_hardware,
     check_quantized_experts,
     check_vllm_version,
 )
@@ -78,6 +79,7 @@ class QurlvLLMHttpServer(vLLMHttpServer):
             check_quantized_experts(settings, vllm.__version__, on_cpu=current_platform.is_cpu(), amx=host.amx,
                                     cuda_graphs=not self.config.enforce_eager)
         check_fp8_hardware(settings, host.cuda_capability)
+        check_int8_hardware(settings, host.cuda_capability)
         check_fp8_block_shapes(settings, hf_config.to_dict(), int(self.config.tensor_model_parallel_size or 1))
         set_kernel_env(settings, host.cuda_capability)
         return settings.engine_quantization()

@@ -113,6 +113,9 @@ def test_the_driver_asks_the_gpu_it_sees():
     with pytest.raises(QurlConfigError, match="this GPU has 8.0"):
         driver.check_config(compose_ppo_config([*overrides, "+qurl=tis_fp8"]), host=a100)
     driver.check_config(compose_ppo_config([*overrides, "+qurl=tis_int8"]), host=a100)
+    v100 = dataclasses.replace(a100, cuda_capability=(7, 0))  # below vLLM's W8A8 INT8 scheme's 7.5
+    with pytest.raises(QurlConfigError, match="INT8 tensor cores .* this GPU has 7.0"):
+        driver.check_config(compose_ppo_config([*overrides, "+qurl=tis_int8"]), host=v100)
 
 
 def write_checkpoint(base, step, record):

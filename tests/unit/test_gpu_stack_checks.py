@@ -169,6 +169,24 @@ def test_server_refuses_quantized_experts_its_vllm_cannot_run_w8a8(server_module
     assert quantization == "compressed-tensors" and "re:(?:.*\\.)?mlp\\.experts(?:\\..*)?$" in overrides["quantization_config"]["ignore"]
 
 
+@pytest.mark.parametrize("capability, fmt, refused", [
+    ((7, 0), "int8", "INT8 tensor cores"),  # V100: vLLM's W8A8 INT8 scheme needs 7.5
+    ((8, 0), "fp8", "FP8 tensor cores"),  # A100: FP8 would run weight-only
+    ((7, 5), "int8", None),
+    ((8, 9), "fp8", None),
+])
+def test_server_refuses_a_format_its_gpu_cannot_run_w8a8(server_module, monkeypatch, capability, fmt, refused):
+    """A driver on a GPU-less node (a Ray head, one-step-off's driver actor) cannot see the rollout's GPUs: the
+    server checks the format against its own GPU before the engine starts."""
+    force_server_host(monkeypatch, server_module, cuda_capability=capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    if refused:
+        with pytest.raises(QurlConfigError, match=refused):
+            server_module.QurlvLLMHttpServer._apply_quantization(fake_server(fmt))
+    else:
+        assert server_module.QurlvLLMHttpServer._apply_quantization(fake_server(fmt))[0] == "compressed-tensors"
+
+
 @pytest.mark.parametrize("capability, fmt, hip, expected", [
     ((10, 0), "int8", None, f"MacheteLinearKernel,{CUTLASS_INT8_KERNEL}"),
     ((12, 0), "int8", None, f"MacheteLinearKernel,{CUTLASS_INT8_KERNEL}"),
