@@ -40,6 +40,10 @@ MODEL_SHAPES = {
     # Qwen2.5-7B: 3584, 28, 28, 4, 128, 18944, 152064, untied
     "Qwen/Qwen2.5-7B": ModelShape(
         3584, 28, 28, 4, 128, 18944, 152064, False, True, False, "config.json of Qwen/Qwen2.5-7B"),
+    # Qwen2.5-Math-7B (the DAPO recipe's model): the Qwen2.5-7B shape, 3584, 28, 28, 4, 128, 18944, 152064, untied
+    "Qwen/Qwen2.5-Math-7B": ModelShape(
+        3584, 28, 28, 4, 128, 18944, 152064, False, True, False,
+        "config.json of Qwen/Qwen2.5-Math-7B (recipes/dapo/Qwen2.5-Math-7B/config.json)"),
     # Qwen2.5-14B: 5120, 48, 40, 8, 128, 13824, 152064, untied
     "Qwen/Qwen2.5-14B": ModelShape(
         5120, 48, 40, 8, 128, 13824, 152064, False, True, False, "config.json of Qwen/Qwen2.5-14B"),

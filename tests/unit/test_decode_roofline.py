@@ -147,7 +147,7 @@ def test_recipes_resolve_with_their_own_defaults(monkeypatch):
     monkeypatch.setenv("MODEL_PATH", "/somewhere/else")
     monkeypatch.setenv("NNODES", "3")
     dapo = roofline_recipes.recipe_inputs(roofline_recipes.RECIPE_DIR / "dapo.yaml")["inputs"]
-    assert dapo["model"] == "Qwen/Qwen2.5-7B" and dapo["nnodes"] == 8
+    assert dapo["model"] == "Qwen/Qwen2.5-Math-7B" and dapo["nnodes"] == 8
     assert dapo["train_batch_size"] == 512 and dapo["rollout_n"] == 16 and dapo["tensor_model_parallel_size"] == 4
     gsm8k = roofline_recipes.recipe_inputs(roofline_recipes.RECIPE_DIR / "gsm8k_ppo.yaml")
     assert gsm8k["inputs"]["max_num_seqs"] == roofline_recipes.VERL_DEFAULTS["max_num_seqs"]
