@@ -71,7 +71,7 @@ def ensure_uaq_checkpoint(model_dir: str | Path, scale: float = DEFAULT_UAQ_SCAL
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.perf_counter()
     try:
-        convert_checkpoint(src, tmp, scale=scale, targets=targets)
+        convert_checkpoint(src, tmp, scale=scale, targets=targets, progress=lambda line: log(f"[qurl] UAQ: {line}"))
         os.replace(tmp, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

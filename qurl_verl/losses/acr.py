@@ -41,6 +41,7 @@ _STAT_NAMES = (
     "kl_behav_prox_k3",
     "w_max",
     "w_frac_above_c",
+    "w_truncated_ess",
     "upper_bound_mean",
     "upper_bound_max",
     "clipfrac_upper",
@@ -56,8 +57,18 @@ class AcrStats:
 
     kl_behav_prox_k1/k3  KL(pi_behav || pi_prox): k1 = E[-log w], k3 = E[w - 1 - log w]
                          (samples come from pi_behav, so these are unbiased estimators)
-    w_max                largest w = pi_prox / pi_behav among this call's tokens
-    w_frac_above_c       fraction of tokens with w > C (where ACR widens the upper bound)
+    w_max                largest w = pi_prox / pi_behav among this call's tokens. Logged, verl
+                         reduces it as every policy-loss metric: the mean over micro-batches and
+                         data-parallel ranks of a mini-batch (verl forces a mean there), then the
+                         max over mini-batches (its reduce_metrics takes np.max for a key holding
+                         "max"). So at most the batch maximum, verl's rollout_corr/rollout_is_max
+    w_frac_above_c       fraction of tokens with w > C: the tokens whose weight min(w, C) the loss
+                         truncates (both losses) and where ACR widens the upper bound. verl's
+                         rollout_is_ratio_fraction_high at threshold C; the presets set verl's
+                         threshold to 1e9, so verl's own reads 0
+    w_truncated_ess      effective sample size of the weights the loss applies, min(w, C):
+                         (sum w)^2 / (n sum w^2) over the n masked tokens, in (0, 1]; verl's
+                         rollout_is_eff_sample_size at threshold C (1 with no tokens)
     upper_bound_mean/max the upper clip bound (1 + eps_high) / r actually applied
     clipfrac_upper       A > 0 and R above the upper bound (gradient stopped)
     clipfrac_lower       A < 0 and R below 1 - eps_low (gradient stopped)
@@ -195,6 +206,7 @@ def _token_stats(log_w, log_c, log_ratio, ratio, upper, upper_of, advantages, re
         above_c &= mask
 
     log_w_safe = torch.clamp(log_w_in, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    truncated_ess = _truncated_ess(log_w_safe, log_c, mask)
     log_w_max = torch.where(mask, log_w, float("-inf")).amax()
     if upper_of is None:  # TIS: one constant bound
         upper_sum = count * upper
@@ -220,6 +232,21 @@ def _token_stats(log_w, log_c, log_ratio, ratio, upper, upper_of, advantages, re
     ).double() / count.double()
     k1, k3, frac_c, upper_mean, cf_up, cf_low, cf_dual, ppo_kl = sums.unbind()
     values = torch.stack(
-        [k1, k3, torch.exp(log_w_max.double()), frac_c, upper_mean, upper_max.double(), cf_up, cf_low, cf_dual, ppo_kl]
+        [k1, k3, torch.exp(log_w_max.double()), frac_c, truncated_ess, upper_mean, upper_max.double(), cf_up, cf_low, cf_dual, ppo_kl]
     )
     return AcrStats(values=values)
+
+
+def _truncated_ess(log_w: torch.Tensor, log_c: float, mask: torch.Tensor) -> torch.Tensor:
+    """ESS of the truncated weights min(w, C) over the masked tokens, (sum w)^2 / (n sum w^2), float64.
+
+    Normalised as verl's rollout_is_eff_sample_size, 1 / mean((w / mean w)^2) over the valid tokens
+    (verl/trainer/ppo/rollout_corr_helper.py:753-759 in verl 0.9.1, which adds 1e-8 to the mean),
+    but over the weights the loss applies: verl's are truncated at its own threshold, 1e9 in the
+    presets. log_w is already clamped at +-20, as verl clamps (so w > 0 and sum w^2 > 0 for n > 0).
+    """
+    maskd = mask.to(torch.float64)
+    weight = torch.exp(torch.clamp(log_w.double(), max=log_c)) * maskd
+    n = maskd.sum()
+    total, total_sq = weight.sum(), weight.square().sum()
+    return torch.where(n > 0, total.square() / (n * total_sq).clamp_min(torch.finfo(torch.float64).tiny), 1.0)

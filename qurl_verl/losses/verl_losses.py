@@ -9,9 +9,12 @@ the settings that make verl send them, `qurl_verl.settings.LOSS_REQUIRED`). The 
 settings, recovers log w, aggregates with verl's `agg_loss` (including the global batch
 normalisation `ppo_loss` stores in `config.global_batch_info`) and formats the metrics.
 
-Metric note: verl averages policy-loss metrics over micro-batches (and data-parallel ranks), so
-`actor/qurl/w_max` and `actor/qurl/upper_bound_max` are the mean of per-micro-batch maxima. The
-batch-wide maximum of w is verl's own `rollout_corr/rollout_is_max`, computed in the driver.
+Metric note: verl wraps a policy loss's metrics as mean-aggregated (`verl/workers/utils/losses.py`,
+`Metric.from_dict(pg_metrics, aggregation=MEAN)`; a max-aggregated `Metric` returned here would be
+refused as a mismatch), averages them over micro-batches and data-parallel ranks, and only then, over
+mini-batches, takes np.max of a key holding "max" (`verl/utils/metric/utils.py`, `reduce_metrics`). So
+`actor/qurl/w_max` and `actor/qurl/upper_bound_max` are the largest mini-batch mean of per-micro-batch
+maxima. The batch-wide maximum of w is verl's own `rollout_corr/rollout_is_max`, computed in the driver.
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ import argparse
 import json
 import shutil
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors import safe_open
@@ -33,9 +35,17 @@ def weight_files(model_dir: Path) -> tuple[list[str], dict | None]:
     raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are supported")
 
 
+def _size_and_time(num_bytes: int, seconds: float) -> str:
+    size = f"{num_bytes / 1e9:.1f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
+    return f"({size}) in {seconds:.0f} s" if seconds >= 10 else f"({size}) in {seconds:.1f} s"
+
+
 def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, scale: float = DEFAULT_UAQ_SCALE,
-                       targets=DEFAULT_UAQ_TARGETS) -> dict:
-    """Write the UAQ-folded checkpoint to ``out_dir``; returns the UAQ record stored in its config."""
+                       targets=DEFAULT_UAQ_TARGETS, progress: Callable[[str], None] | None = None) -> dict:
+    """Write the UAQ-folded checkpoint to ``out_dir``; returns the UAQ record stored in its config.
+
+    ``progress`` gets one line per shard read and per shard written (a 7B-32B checkpoint takes minutes),
+    e.g. ``read shard 3/8 (4.1 GB) in 12 s``."""
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / "config.json").exists():
         raise ValueError(f"{model_dir} is not a HF checkpoint folder (no config.json)")
@@ -46,19 +56,26 @@ def convert_checkpoint(model_dir: str | Path, out_dir: str | Path, scale: float 
     # before a single tensor of a (possibly 60 GB) checkpoint is read
     check_uaq_model_type(config.get("model_type"), targets)
     files, _ = weight_files(model_dir)
+    report = progress or (lambda line: None)
     state_dict, file_of, metadata = {}, {}, {}
-    for fname in files:
+    for n, fname in enumerate(files, 1):
+        t0 = time.perf_counter()
         with safe_open(str(model_dir / fname), framework="pt") as f:
             metadata[fname] = f.metadata()
             for key in f.keys():
                 state_dict[key] = f.get_tensor(key)
                 file_of[key] = fname
+        size = (model_dir / fname).stat().st_size
+        report(f"read shard {n}/{len(files)} {_size_and_time(size, time.perf_counter() - t0)}")
     folded, new_config = apply_uaq_to_state_dict(state_dict, config, scale, targets)
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    for fname in files:
+    for n, fname in enumerate(files, 1):
+        t0 = time.perf_counter()
         shard = {k: v.contiguous() for k, v in folded.items() if file_of[k] == fname}
         save_file(shard, str(out_dir / fname), metadata=metadata[fname] or {"format": "pt"})
+        size = (out_dir / fname).stat().st_size
+        report(f"wrote shard {n}/{len(files)} {_size_and_time(size, time.perf_counter() - t0)}")
     (out_dir / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
     written = set(files) | {"config.json"}
     for item in model_dir.iterdir():
@@ -82,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(q_proj,k_proj,v_proj only on MoE models)")
     args = parser.parse_args(argv)
     try:
-        record = convert_checkpoint(args.model, args.out, args.scale, [t for t in args.targets.split(",") if t])
+        record = convert_checkpoint(args.model, args.out, args.scale, [t for t in args.targets.split(",") if t],
+                                    progress=lambda line: print(f"UAQ: {line}", flush=True))
     except ValueError as err:
         parser.error(str(err))
     print(f"UAQ applied ({record}); wrote {args.out}")

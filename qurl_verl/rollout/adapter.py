@@ -10,6 +10,7 @@ quantizes them (see ``weight_stream``) with the settings the server gave it. Thi
   slowest TP rank, bytes, worker RSS summed over the engine's ranks, ``ranks``: see
   ``sync_stats.combine_ranks``), ``qurl/sync/checksum/replica_<r>`` (equal across replicas that loaded the
   same bits) and the code-change rates under ``qurl/update/`` (from the second sync on);
+* logs one summary line per step from replica 0's leader, shown by default (``sync_log``), the report at DEBUG;
 * refuses the delta wire format, which only patches changed bf16 values in place.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 from qurl_verl.patches import qurl_vllm as qurl_vllm_patches
 from qurl_verl.patches.qurl_vllm import loss_metrics_channel
 from qurl_verl.rollout import features as sync_features
+from qurl_verl.rollout.sync_log import log_sync_summary
 from qurl_verl.rollout.sync_stats import combine_ranks, metric_groups, post_rollout_report
 from qurl_verl.settings import RolloutSettings
 
@@ -86,7 +88,7 @@ class QurlServerAdapter(ServerAdapter):
         for feature in self.qurl_features:
             stats, now = feature.trainer_report(stats, kwargs)
             report = report and now
-        logger.info("qurl_vllm sync (step %s%s): %s", global_steps, "" if report else ", reported with the next", stats)
+        self.log_sync(stats, global_steps, report)
         if not report:
             return
         self.last_sync_stats = stats
@@ -94,6 +96,13 @@ class QurlServerAdapter(ServerAdapter):
             post_rollout_report(getattr(self, "replica_rank", 0), stats)
         for prefix, metrics in metric_groups(stats, getattr(self, "replica_rank", 0), sync_features.stats_types()).items():
             loss_metrics_channel.publish(metrics, replace_prefix=prefix)
+
+    def log_sync(self, stats: dict | None, global_steps, report: bool) -> None:
+        """The whole report at DEBUG; one summary line at INFO, shown by default, from replica 0's leader only
+        (the rank verl logs its own ``update_weights done`` from) and once per step (after its last sync)."""
+        logger.debug("qurl_vllm sync (step %s%s): %s", global_steps, "" if report else ", reported with the next", stats)
+        if report and stats and getattr(self, "replica_rank", 0) == 0 and getattr(self, "rollout_rank", 0) == 0:
+            log_sync_summary(stats, global_steps)
 
     def sync_metrics(self) -> dict[str, float]:
         """The last sync's worker-side costs, ``qurl/sync/<field>`` (empty before the first sync)."""

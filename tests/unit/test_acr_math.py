@@ -201,6 +201,7 @@ def test_stats_match_float64_reference():
         "kl_behav_prox_k3": (w - 1 - log_w).mean(),
         "w_max": w.max(),
         "w_frac_above_c": (w > C).double().mean(),
+        "w_truncated_ess": truncated_ess_reference(w, C),
         "upper_bound_mean": upper.mean(),
         "upper_bound_max": upper.max(),
         "clipfrac_upper": ((a > 0) & (big_r > upper)).double().mean(),
@@ -211,6 +212,37 @@ def test_stats_match_float64_reference():
     for k, v in expected.items():
         assert s[k] == pytest.approx(v.item(), rel=1e-5, abs=1e-6), k
     assert s["clipfrac_upper"] > 0 and s["w_frac_above_c"] > 0
+
+
+def truncated_ess_reference(w: torch.Tensor, cap: float) -> torch.Tensor:
+    """verl's rollout_is_eff_sample_size, 1 / mean((w / mean w)^2), of min(w, C), in float64."""
+    truncated = torch.clamp(w.double(), max=cap)
+    return 1.0 / (truncated / truncated.mean()).square().mean()
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+@pytest.mark.parametrize("log_w_scale, seed", [(0.05, 11), (1.0, 12), (4.0, 13)])
+def test_truncated_weight_stats_match_a_direct_float64_formula(adaptive, log_w_scale, seed):
+    """Both losses truncate at C, so both report the fraction truncated and the ESS of min(w, C)."""
+    b = make_batch(20, 36, log_w_scale=log_w_scale, seed=seed)
+    b.log_w[~b.mask] = 30.0  # padding must not count, however large
+    s = run(b, adaptive=adaptive)[2].as_dict()
+    w = torch.exp(b.log_w.double()[b.mask])
+    truncated = torch.clamp(w, max=C)
+    direct = truncated.sum().square() / (truncated.numel() * truncated.square().sum())
+    assert s["w_truncated_ess"] == pytest.approx(direct.item(), rel=1e-9)
+    assert s["w_truncated_ess"] == pytest.approx(truncated_ess_reference(w, C).item(), rel=1e-9)
+    assert s["w_frac_above_c"] == pytest.approx((w > C).double().mean().item(), rel=1e-12)
+    assert 0.0 < s["w_truncated_ess"] <= 1.0
+
+
+def test_truncated_ess_is_one_for_equal_weights_and_without_tokens():
+    b = make_batch(4, 8, seed=14)
+    b.log_w = torch.full_like(b.log_w, 3.0)  # every w = e^3 > C: all truncated to C, all equal
+    s = run(b, adaptive=True)[2].as_dict()
+    assert s["w_truncated_ess"] == pytest.approx(1.0, rel=1e-12) and s["w_frac_above_c"] == 1.0
+    b.mask = torch.zeros_like(b.mask)
+    assert run(b, adaptive=True)[2].as_dict()["w_truncated_ess"] == 1.0
 
 
 def test_upper_cap_limits_the_widened_bound():

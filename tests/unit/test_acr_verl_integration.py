@@ -201,7 +201,7 @@ def test_registered_loss_through_verl_ppo_loss_with_backward(composed, loss_mode
 
     values = {k: m.aggregate() for k, m in metrics.items()}
     for key in ("actor/qurl/kl_behav_prox_k1", "actor/qurl/kl_behav_prox_k3", "actor/qurl/w_max",
-                "actor/qurl/w_frac_above_c", "actor/qurl/upper_bound_mean", "actor/qurl/upper_bound_max",
+                "actor/qurl/w_frac_above_c", "actor/qurl/w_truncated_ess", "actor/qurl/upper_bound_mean", "actor/qurl/upper_bound_max",
                 "actor/qurl/clipfrac_upper", "actor/qurl/clipfrac_lower", "actor/qurl/clipfrac_dual",
                 "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/pg_loss"):
         assert key in values and math.isfinite(values[key]), key
@@ -212,6 +212,21 @@ def test_registered_loss_through_verl_ppo_loss_with_backward(composed, loss_mode
         assert values["actor/qurl/upper_bound_max"] == pytest.approx(1 + EPS_HIGH)
     else:
         assert values["actor/qurl/upper_bound_max"] > 1 + EPS_HIGH
+
+
+def test_verl_reduces_policy_loss_metrics_as_the_w_max_docstring_says():
+    """verl 0.9.1 offers no max aggregation to a policy loss: it wraps the loss's metrics as means
+    (a max Metric is refused) and takes np.max only across mini-batches, for a key holding "max"."""
+    from verl.utils.metric import AggregationType, Metric, reduce_metrics
+
+    with pytest.raises(ValueError, match="mismatch"):
+        Metric.from_dict({"actor/qurl/w_max": Metric(AggregationType.MAX, 3.0)}, aggregation=AggregationType.MEAN)
+    micro_batches = Metric(AggregationType.MEAN)  # one mini-batch: its micro-batch maxima, averaged
+    micro_batches.extend([1.5, 2.5])
+    per_mini_batch = [micro_batches.aggregate(), 1.8]
+    reduced = reduce_metrics({"actor/qurl/w_max": list(per_mini_batch), "actor/qurl/w_truncated_ess": list(per_mini_batch)})
+    assert reduced["actor/qurl/w_max"] == pytest.approx(2.0)  # max over mini-batches of the mean of maxima
+    assert reduced["actor/qurl/w_truncated_ess"] == pytest.approx(1.9)  # a mean, no "max" in the name
 
 
 def test_acr_and_tis_differ_through_ppo_loss(composed):

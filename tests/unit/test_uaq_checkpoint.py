@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -28,6 +29,10 @@ def test_converted_once_then_cached_and_same_function(tiny, tmp_path):
     logs = []
     first = ensure_uaq_checkpoint(tiny, 1.5, cache_dir=tmp_path / "c", log=logs.append)
     assert first != tiny and uaq_record_of(first)["scale"] == 1.5 and uaq_record_of(tiny) is None
+    # progress: the single shard read, then written, then the result
+    assert [re.sub(r" \(.+\) in \d+\.\d s$", "", line) for line in logs[:2]] == [
+        "[qurl] UAQ: read shard 1/1", "[qurl] UAQ: wrote shard 1/1"]
+    assert len(logs) == 3 and "applied to" in logs[2]
     again = ensure_uaq_checkpoint(tiny, 1.5, cache_dir=tmp_path / "c", log=logs.append)
     assert again == first and "cache hit" in logs[-1]
     # a checkpoint that already carries UAQ (a resumed run) is used as it is: never scaled twice

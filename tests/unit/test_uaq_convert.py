@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -93,8 +94,15 @@ def test_cli_keeps_shards(tiny_causal_lm, tmp_path):
     model.save_pretrained(src, max_shard_size="100KB")
     shards = sorted(p.name for p in src.glob("*.safetensors"))
     assert len(shards) > 1
-    convert_checkpoint(src, out, 1.5, ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    lines = []
+    convert_checkpoint(src, out, 1.5, ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), progress=lines.append)
     assert sorted(p.name for p in out.glob("*.safetensors")) == shards
+    # one line per shard read, then per shard written, with its size on disk
+    n = len(shards)
+    assert [line.split(" (")[0] for line in lines] == (
+        [f"read shard {i}/{n}" for i in range(1, n + 1)] + [f"wrote shard {i}/{n}" for i in range(1, n + 1)])
+    sizes = [f"{(src / name).stat().st_size / 1e6:.1f} MB" for name in shards]
+    assert [re.fullmatch(r".* \((.*)\) in \d+\.\d s", line).group(1) for line in lines[:n]] == sizes
     converted = transformers.AutoModelForCausalLM.from_pretrained(out)
     ref = logits(model)
     torch.testing.assert_close(logits(converted), ref, rtol=0, atol=2e-6 * ref.abs().max())
