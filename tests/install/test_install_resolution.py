@@ -8,37 +8,19 @@ so nothing is downloaded beyond package metadata.
 """
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import urllib.request
 from pathlib import Path
 
 import pytest
+from public_index import public_index_env, run_pip, skip_unless_reachable
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "install_cpu_stack.sh"
-PUBLIC_INDEX = "https://pypi.org/simple/"
-
-
-def public_index_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS="", PIP_DISABLE_PIP_VERSION_CHECK="1",
-               PYTHON=sys.executable)
-    return env
 
 
 @pytest.fixture(scope="module", autouse=True)
 def public_index_reachable():
-    try:
-        urllib.request.urlopen(PUBLIC_INDEX + "pip/", timeout=10)
-    except OSError as e:
-        pytest.skip(f"the public package index is not reachable from here ({e})")
-
-
-def run_pip(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pip", *args], env=public_index_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    skip_unless_reachable()
 
 
 def test_the_naive_cpu_install_cannot_resolve_from_the_public_index(tmp_path):
