@@ -167,15 +167,18 @@ def moe_rollout(r: RunResult) -> None:
 
 def unsharded_checksum(uaq_dir: Path) -> int:
     """The stream checksum of a run's first sync, computed here from the checkpoint the actor started from (the
-    UAQ-converted copy the driver wrote, read whole): what FSDP ranks must have gathered and sent."""
+    UAQ-converted copy the driver wrote, read whole): what FSDP ranks must have gathered and sent (a MoE's
+    experts by verl's own per-expert names, as its FSDP engine streams them)."""
     from transformers import AutoModelForCausalLM
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
     from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
     from qurl_verl.settings import RolloutSettings
     from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES
 
     (checkpoint,) = uaq_dir.iterdir()
-    state = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    state = dict(unfuse_moe_params(model.state_dict().items(), model.config.model_type))
     engine_dtypes = {name: torch.bfloat16 for name in state}  # the rollout's dtype, for pass-through tensors
     stream = WeightStreamQuantizer(RolloutSettings(format="int8"), param_dtypes=engine_dtypes,
                                    skip=frozenset(TIED_LM_HEAD_NAMES))
