@@ -4,7 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qurl_testkit.hydra_config_cache import cache_config_sources
 from qurl_testkit.tiny_models import TINY_DIMS, build_tiny_causal_lm  # noqa: E402,F401 - re-exported for the fixtures
+
+try:  # the suite composes hundreds of configs: each YAML file parsed once per test process
+    cache_config_sources()
+except ImportError:  # no Hydra in this environment
+    pass
 
 
 @pytest.fixture(scope="session")

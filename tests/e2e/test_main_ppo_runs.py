@@ -11,7 +11,7 @@ checks to a run here before it adds a run (``tests/README.md``). Each run names 
 | run | overrides | stacks | what it shows |
 |---|---|---|---|
 | ``stock_vllm`` | verl's own ``rollout.name=vllm``, no preset | 0.32 | the plugin leaves a stock CPU run working: it trains and the engine serves the trainer's weights |
-| ``two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora`` | 2 FSDP ranks, rollout TP 2, FP8 KV cache; GAE critic; a 520-token vocabulary (vLLM pads it to 576); merged rank-8 LoRA | 0.32 | the demo's checks, 3 steps; both TP ranks load the same bits and KV scales (the FSDP ranks' ranges all-reduced), the whole checkpoint's at step 1; the critic trains beside the INT8 rollout and ACR; the padded embedding syncs every step, with no loader noise in the log; W + BA re-quantized every step, its codes move |
+| ``two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora`` | 2 FSDP ranks, rollout TP 2, FP8 KV cache; GAE critic; a 520-token vocabulary (vLLM pads it to 576); merged rank-8 LoRA | 0.32 | the demo's checks, 2 steps; both TP ranks load the same bits and KV scales (the FSDP ranks' ranges all-reduced), the whole checkpoint's at step 1; the critic trains beside the INT8 rollout and ACR; the padded embedding syncs every step, with no loader noise in the log; W + BA re-quantized every step, its codes move |
 | ``lora_adapters`` | rank-8 adapters (``lora.merge=false``) | 0.32 | UAQ skipped with the reason; base synced once (quantized), then adapters only; the mismatch is small |
 | ``moe_fp8_kv`` | the tiny Qwen3-MoE + FP8 KV cache | 0.24 | the MoE checks (the KL bound of an 8-bit run: the FP8 cache adds its own mismatch); the demo's checks (``int8_acr_uaq_run``: UAQ applied; every step re-quantizes, logs the mismatch, KL and ``w_max``, and the code-change rate, which is > 0); the KV scales: vLLM's 1.0 at step 1, the trainer's (both layers, below 1) after |
 | ``colocate_async`` | ``trainer.v1.trainer_mode=colocate_async`` | 0.32 | the demo's checks in verl's asynchronous colocated trainer: the engine paused and synced every step, the mismatch logged beside verl's staleness (0, then 1) |
@@ -121,7 +121,7 @@ class Run:
 
 RUNS = (
     Run("stock_vllm", preset="none", checks=(stock_run_trained,)),
-    Run("two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora", steps=3, model=padded_vocab_model, critic=True,
+    Run("two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora", model=padded_vocab_model, critic=True,
         fp8_kv=True, own_uaq_cache=True,
         overrides=(*TWO_RANKS, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", *LORA,
                    "actor_rollout_ref.model.lora.merge=true"),

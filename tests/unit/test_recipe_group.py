@@ -98,9 +98,11 @@ def test_recipes_set_no_key_a_preset_sets():
 
 
 def test_every_recipe_with_every_preset_from_outside_the_repository(data_root, tmp_path):
-    """Composed from another directory, as a user types it: both orders give one config, and it passes
-    the driver's checks (dry run, no hub). gsm8k_ppo's critic reads its model's config and tokenizer, so
-    it gets a local Qwen2 folder; dapo with UAQ on several nodes needs a shared cache folder."""
+    """Composed from another directory, as a user types it, it passes the driver's checks (dry run, no hub);
+    both orders give one config (composed both ways for the int8 preset and for no preset on every recipe:
+    each composition costs about 2 s of Hydra, and ``test_recipes_set_no_key_a_preset_sets`` shows for every
+    pair why the order cannot matter). gsm8k_ppo's critic reads its model's config and tokenizer, so it gets a
+    local Qwen2 folder; dapo with UAQ on several nodes needs a shared cache folder."""
     code = textwrap.dedent("""
         import json, sys
         from omegaconf import OmegaConf
@@ -114,9 +116,11 @@ def test_every_recipe_with_every_preset_from_outside_the_repository(data_root, t
                 group, qurl = f"+qurl_recipe={recipe}", rc.preset_overrides(preset)
                 extra = [f"actor_rollout_ref.model.path={tiny}"] if recipe == "gsm8k_ppo" else []
                 composed = rc.compose_recipe([group, *qurl, *extra])  # what check_overrides composes
-                one = OmegaConf.to_container(composed, resolve=True)
-                other = OmegaConf.to_container(compose_ppo_config([*qurl, group, *extra]), resolve=True)
-                row = {"recipe": recipe, "preset": preset, "same_either_order": one == other, "errors": []}
+                row = {"recipe": recipe, "preset": preset, "errors": []}
+                if preset in ("int8", rc.STOCK_ROLLOUT):
+                    one = OmegaConf.to_container(composed, resolve=True)
+                    other = OmegaConf.to_container(compose_ppo_config([*qurl, group, *extra]), resolve=True)
+                    row["same_either_order"] = one == other
                 for attempt in ([], [f"qurl.uaq.cache_dir={cache}"]):
                     try:
                         cfg = rc.check_overrides([group, *qurl, *extra, *attempt]) if attempt else rc.check_config(composed)
@@ -145,7 +149,8 @@ def test_every_recipe_with_every_preset_from_outside_the_repository(data_root, t
     fp8_kv_here = bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
     for row in rows:
         recipe, preset = row["recipe"], row["preset"]
-        assert row["same_either_order"], (recipe, preset)
+        if preset in ("int8", "none"):
+            assert row["same_either_order"], (recipe, preset)
         if recipe == "tiny_cpu" and preset.endswith("_fp8kv") and not fp8_kv_here:  # the CPU recipe, on this CPU
             assert "checked_with" not in row and "AVX-512 or AMX only" in row["errors"][-1], (recipe, preset, row)
             continue
