@@ -67,6 +67,7 @@ def from_wire(wire: tuple) -> torch.Tensor:
 
 
 SYNCS = 2  # the second carries the rollout's report of the first
+ROLLOUTS = ("rollout", "rollout_1")  # two rollout ranks (two replicas of one rank each): the group has 3 ranks
 
 
 def _run(side: str, quantization: str, queue, results) -> None:
@@ -78,21 +79,23 @@ def _run(side: str, quantization: str, queue, results) -> None:
         for step in range(1, SYNCS + 1):
             if side == "trainer":
                 meta = engine.prepare()
-                queue.put(meta)
-                actor, _ = QurlInt8CheckpointEngine.build_topology(1, 1, [meta, None])
+                for _ in ROLLOUTS:
+                    queue.put(meta)
+                actor, _ = QurlInt8CheckpointEngine.build_topology(1, len(ROLLOUTS), [meta, None, None])
                 engine.init_process_group(**{k: v[0] for k, v in actor.items()})
                 metrics = await engine.send_weights(iter(tiny_state(step).items()), global_steps=step)
                 out.append((metrics, engine.last_stats.payload_bytes, engine.last_stats.buckets))
             else:
                 assert engine.prepare() is None
                 meta = queue.get(timeout=60)
-                _, rollout = QurlInt8CheckpointEngine.build_topology(1, 1, [meta, None])
-                engine.init_process_group(**{k: v[0] for k, v in rollout.items()})
+                _, rollout = QurlInt8CheckpointEngine.build_topology(1, len(ROLLOUTS), [meta, None, None])
+                index = ROLLOUTS.index(side)
+                engine.init_process_group(**{k: v[index] for k, v in rollout.items()})
                 received = [(n, t) async for n, t in engine.receive_weights(global_steps=step)]
                 # what the rollout's adapter posts once its workers loaded the sync: here the stream's checksum
                 loaded = StreamStats()
                 loaded.add_checksum(received)
-                post_rollout_report(0, {"checksum": loaded.checksum, "quantized": 14})
+                post_rollout_report(index, {"checksum": loaded.checksum, "quantized": 14})
                 out.append(([(n, to_wire(t)) for n, t in received], engine.last_stats.payload_bytes,
                             engine.last_stats.buckets))
             engine.finalize()
@@ -106,14 +109,15 @@ def sync_twice(quantization: str):
     buckets)]}."""
     ctx = mp.get_context("spawn")
     queue, results = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(side, quantization, queue, results)) for side in ("trainer", "rollout")]
+    procs = [ctx.Process(target=_run, args=(side, quantization, queue, results)) for side in ("trainer", *ROLLOUTS)]
     for p in procs:
         p.start()
     out = {}
     for _ in procs:
         side, syncs = pickle.loads(results.get(timeout=120))  # bytes: no tensor fd sharing
         out[side] = syncs
-    out["rollout"] = [([(n, from_wire(t)) for n, t in received], *rest) for received, *rest in out["rollout"]]
+    for side in ROLLOUTS:
+        out[side] = [([(n, from_wire(t)) for n, t in received], *rest) for received, *rest in out[side]]
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -153,8 +157,13 @@ def test_rollout_receives_the_codes_bit_for_bit(quantization):
     # the rollout's report of sync 1 reached the sender's return value at sync 2, under the colocated names
     first, second = out["trainer"][0][0], out["trainer"][1][0]
     assert not any(k.startswith("actor/") for k in first) and "qurl_sync/rollout_reports" not in first
-    assert second["qurl_sync/rollout_reports"] == 1
+    assert second["qurl_sync/rollout_reports"] == len(ROLLOUTS)
     assert second["actor/qurl/sync/checksum/replica_0"] == first["qurl_sync/checksum"]
+    assert second["actor/qurl/sync/checksum/replica_1"] == first["qurl_sync/checksum"]
+    # the second rollout rank received the same bits as the first at every sync
+    for (got, *_), (want, *_) in zip(out["rollout_1"], out["rollout"]):
+        assert len(got) == len(want)
+        assert all(n == m and torch.equal(as_bits(t), as_bits(u)) for (n, t), (m, u) in zip(got, want))
     assert second["actor/qurl/sync/quantized"] == 14
 
 
