@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from qurl_testkit import cuda_kernel_stand_ins
-from qurl_testkit.reload_probe import Int8GemmProbeWorkerExtension
+from qurl_testkit.reload_probe import Int8GemmProbeWorkerExtension, Level2SleepProbe
 from qurl_verl.rollout import int8_gemm_report
 
 
@@ -85,6 +85,11 @@ class ForcedCudaInt8WorkerExtension(Int8GemmProbeWorkerExtension):
                 if hasattr(module, attr):
                     add(f"attention {name}.{attr}", getattr(module, attr))
         return records
+
+
+class ForcedCudaInt8Level2SleepProbe(ForcedCudaInt8WorkerExtension, Level2SleepProbe):
+    """The forced CUDA INT8 extension with the simulated level-2 sleep of the reload tests
+    (``Level2SleepProbe.probe_level2_sleep``): what a GPU engine's weights hold after verl's level-2 sleep."""
 
 
 def _act_dtype(layer) -> torch.dtype:

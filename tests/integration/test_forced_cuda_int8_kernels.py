@@ -39,7 +39,12 @@ stand-in's layout assertion; the next sync puts the right weight back.
 CUDA-graph pointer contract: a captured graph replays the addresses it captured, at the engine's start. Every
 parameter and buffer, and the attention layers' ``_k_scale``/``_v_scale``, keep the data pointer, shape, stride
 and dtype they had right after the start through every sync (vLLM's layerwise reload copies into the storage the
-model had, and the Cutlass post-processing's ``weight.t()`` is a view of it).
+model had, and the Cutlass post-processing's ``weight.t()`` is a view of it), and through verl's level-2 sleep
+between rollouts: vLLM's GPU worker then frees the weights' physical memory and, at wake-up, maps new memory at
+the same virtual addresses (its ``CuMemAllocator``), uninitialized, so the sync that follows is all that rebuilds
+the model, in place. ``Level2SleepProbe.probe_level2_sleep`` leaves the engine in that state (every tensor the model
+holds overwritten with NaN or random codes, the buffers put back); after the sync, every GEMM is the exact W8A8
+product of this sync's codes again and every record is the one of the start.
 
 Not forced here: the GPU kernels themselves (their tiling, float32 epilogue, Triton's bias after the bf16
 rounding on vLLM 0.24), CUDA graphs (the engines run eager), and the platform answers other code asks for
@@ -79,6 +84,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.both_stacks, pytest.mark.usef
 
 INT8 = RolloutSettings(format="int8")
 EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"
+SLEEP_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8Level2SleepProbe"
 SYNCS = 3
 BF16_MEDIAN = 0.03
 BLACKWELL = (10, 0)
@@ -122,7 +128,7 @@ class TestForcedCutlass:
     @pytest.fixture(scope="class")
     def cutlass_engine(self, tiny_model_dir, engine_environment):
         require_vllm()
-        llm = start_engine(tiny_model_dir, INT8, dtype="bfloat16", extension=EXTENSION)
+        llm = start_engine(tiny_model_dir, INT8, dtype="bfloat16", extension=SLEEP_EXTENSION)
         (AT_START["records"],) = llm.collective_rpc("probe_tensor_records")  # where a GPU engine captures its graphs
         yield llm
         stop_engine(llm)
@@ -156,6 +162,21 @@ class TestForcedCutlass:
         # ... and a parameter in new storage would show
         (copied,) = cutlass_engine.collective_rpc("probe_tensor_records_with_a_copy", args=(SCRAMBLED, "weight_scale"))
         assert [k for k in start if start[k] != copied.get(k)] == [f"parameter {SCRAMBLED}.weight_scale"]
+
+    def test_a_level2_sleep_keeps_the_pointers_and_the_next_sync_rebuilds_the_model(self, cutlass_engine, tiny_model_dir):
+        trainer = TrainerWeights(tiny_model_dir, seed=2)
+        before = _tracks(cutlass_engine, tiny_model_dir, trainer, torch.bfloat16)
+        previous = {k: v.clone() for k, v in trainer.master.items()}
+        trainer.step()
+        (wiped,) = cutlass_engine.collective_rpc("probe_level2_sleep")
+        assert wiped["parameter"] >= INT8_LINEARS and wiped["attribute"] > 0, wiped
+        after = _tracks(cutlass_engine, tiny_model_dir, trainer, torch.bfloat16, previous)  # exact GEMMs, new codes
+        print(f"\nlevel-2 sleep wiped {wiped}; before {before['vs_w8a8_ref']}, after the sync {after}")
+        assert after["gemms"] == {CUTLASS} and after["vs_w8a8_ref"]["median"] <= BF16_MEDIAN, after
+        assert after["vs_previous_step"]["median"] > 2 * BF16_MEDIAN, after
+        (now,) = cutlass_engine.collective_rpc("probe_tensor_records")
+        start = AT_START["records"]
+        assert {k for k in start.keys() | now.keys() if start.get(k) != now.get(k)} == set(), "moved after the sleep"
 
     def test_a_mis_packed_weight_fails_the_checks(self, cutlass_engine, tiny_model_dir):
         trainer = TrainerWeights(tiny_model_dir)
