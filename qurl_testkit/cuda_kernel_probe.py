@@ -67,8 +67,9 @@ class ForcedCudaInt8WorkerExtension(Int8GemmProbeWorkerExtension):
             setattr(module, param, original)
 
     def probe_tensor_records(self) -> dict[str, tuple]:
-        """(data_ptr, shape, stride, dtype) of every parameter and buffer of the model, and of each attention
-        layer's ``_k_scale``/``_v_scale`` (whatever they are on this vLLM): what a captured CUDA graph holds."""
+        """(data_ptr, shape, stride, dtype) of every parameter and buffer of the model, of each attention layer's
+        ``_k_scale``/``_v_scale`` (whatever they are on this vLLM) and of each LoRA layer's adapter slots
+        (``lora_a_stacked``/``lora_b_stacked``: a tensor, or a tuple of them): what a captured CUDA graph holds."""
         model = self.model_runner.model
         records = {}
 
@@ -84,6 +85,10 @@ class ForcedCudaInt8WorkerExtension(Int8GemmProbeWorkerExtension):
             for attr in ("_k_scale", "_v_scale"):
                 if hasattr(module, attr):
                     add(f"attention {name}.{attr}", getattr(module, attr))
+            for attr in ("lora_a_stacked", "lora_b_stacked"):
+                slots = getattr(module, attr, None)
+                for i, t in enumerate(slots if isinstance(slots, (tuple, list)) else (slots,)):
+                    add(f"lora {name}.{attr}[{i}]", t)
         return records
 
 

@@ -15,6 +15,14 @@ At TP 1 and TP 2 (TP 2 on vLLM-CPU 0.32 only: 0.24's LoRA ops fail on TP shards,
 LoRA layers shard the adapters as they shard the base; the reference's row-parallel layers quantize each
 rank's half of their input, as ``test_qurl_vllm_tp2.py`` explains).
 
+On vLLM 0.24 (GPU users' vLLM) the base runs vLLM's CUDA INT8 class ``TritonInt8ScaledMMLinearKernel``, chosen by
+vLLM's selector in the server's environment for a Blackwell GPU (as in ``test_forced_cuda_int8_kernels.py``, whose
+exact stand-ins run in fp32 under the bounds below): vLLM's LoRA layers over a GPU kernel's post-processed base. Its
+CUDA-graph pointer contract holds through the base sync and every adapter sync: every parameter, buffer, attention
+scale and LoRA slot (``lora_a_stacked``/``lora_b_stacked``, which verl's adapter syncs fill in place) keeps the data
+pointer, shape, stride and dtype it had at the engine's start. vLLM 0.32 runs vLLM-CPU's own INT8 kernels (which
+repack their weights by design and capture no graphs).
+
 Tolerance of engine vs reference (per-token |log-prob difference|), the bounds of the INT8 engine tests:
 median <= 1e-5, p75 <= 1e-3, max <= 0.1 (float32 rounding; an INT8 activation that vLLM and the reference
 round to neighbouring codes moves the rest of its sequence by 1e-4..1e-2). Successive adapters move the
@@ -22,9 +30,13 @@ log-probs by about 1e-1: the check against the previous adapters can fail.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from test_qurl_vllm_int8_gemms import INT8_LINEARS
 
+from qurl_testkit.cuda_kernel_stand_ins import TRITON
 from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
@@ -41,6 +53,7 @@ from qurl_testkit.reload_harness import (
 from qurl_verl import versions
 from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding
 from qurl_verl.rollout import vllm_versions
+from qurl_verl.rollout.cuda_kernel_env import DISABLED_KERNELS_ENV
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
@@ -48,11 +61,15 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environme
 INT8 = RolloutSettings(format="int8")
 RANK, ALPHA = 8, 16
 LINEARS = 14  # 7 projections x 2 layers, each quantized once and each carrying an adapter
+ON_GPU_USERS_VLLM = versions.vllm_release(versions.installed_vllm_version()) == (0, 24)
+FORCED_CUDA_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"
+BLACKWELL = (10, 0)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def lora_engine(request, tiny_model_dir, engine_environment):
-    """(engine, TP size). At TP 2 the ranks are bound to CPUs as the rollout server binds them."""
+    """(engine, TP size, the tensor records at its start where vLLM's CUDA INT8 class is forced, else None). At TP 2
+    the ranks are bound to CPUs as the rollout server binds them."""
     require_vllm()
     from verl.workers.rollout.vllm_rollout.utils import get_vllm_max_lora_rank
 
@@ -65,10 +82,21 @@ def lora_engine(request, tiny_model_dir, engine_environment):
 
         cpus = [(c.id, c.numa_node) for c in cpu_resource_utils.get_allowed_cpu_list()]
         engine_environment.setenv(vllm_cpu_thread_binding.BIND_ENV, vllm_cpu_thread_binding.thread_binding(cpus, tp))
-    # what verl's vLLM server adds for lora_rank > 0 without merge (vllm_async_server.py)
-    llm = start_engine(tiny_model_dir, INT8, dtype="float32", enable_lora=True, max_loras=1,
-                       max_lora_rank=get_vllm_max_lora_rank(RANK), tensor_parallel_size=tp)
-    yield llm, tp
+    extension = {}
+    if ON_GPU_USERS_VLLM:
+        from qurl_verl.rollout.server import set_kernel_env
+
+        engine_environment.delenv(DISABLED_KERNELS_ENV, raising=False)
+        set_kernel_env(INT8, BLACKWELL)  # read by the workers' kernel choice at start-up
+        extension = {"extension": FORCED_CUDA_EXTENSION}
+    try:
+        # what verl's vLLM server adds for lora_rank > 0 without merge (vllm_async_server.py)
+        llm = start_engine(tiny_model_dir, INT8, dtype="float32", enable_lora=True, max_loras=1,
+                           max_lora_rank=get_vllm_max_lora_rank(RANK), tensor_parallel_size=tp, **extension)
+    finally:
+        os.environ.pop(DISABLED_KERNELS_ENV, None)
+    at_start = llm.collective_rpc("probe_tensor_records")[0] if extension else None
+    yield llm, tp, at_start
     stop_engine(llm)
     engine_environment.delenv(vllm_cpu_thread_binding.BIND_ENV, raising=False)
 
@@ -131,7 +159,17 @@ def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(l
     from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, VLLM_LORA_PATH
     from vllm.lora.request import LoRARequest
 
-    lora_engine, tp = lora_engine
+    lora_engine, tp, at_start = lora_engine
+    if at_start is not None:
+        (classes,) = lora_engine.collective_rpc("probe_int8_kernel_classes")
+        assert len(classes) == INT8_LINEARS and set(classes.values()) == {TRITON}, classes
+        assert sum(k.startswith("lora ") for k in at_start) >= 2 * LINEARS, sorted(at_start)
+
+    def pointers_kept(sync):
+        if at_start is not None:
+            (now,) = lora_engine.collective_rpc("probe_tensor_records")
+            moved = {k: (at_start.get(k), now.get(k)) for k in at_start.keys() | now.keys() if at_start.get(k) != now.get(k)}
+            assert not moved, (sync, moved)
     adapter = LoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH)
     trainer = TrainerWeights(tiny_model_dir)
     _, peft_config = peft_adapters(tiny_model_dir, seed=0)
@@ -142,6 +180,7 @@ def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(l
     for base in sync_weights(lora_engine, sent, peft_config=peft_config, base_sync_done=False, ranks=tp):
         assert base["quantized"] == LINEARS and base["base_frozen"] == 0
         assert base["tracker_row_stride"] == 0  # the code-change tracker is off: the base never changes again
+    pointers_kept(1)
     reference = reference_model(tiny_model_dir, trainer.master, INT8, torch.float32, tensor_parallel_size=tp)
 
     previous = None
@@ -157,6 +196,7 @@ def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(l
         if previous is not None:
             stale = summary(abs_diffs(lps, reference_with(reference, seqs, previous)))
             assert stale["median"] > 1e-4, (sync, stale)  # the engine serves this sync's adapters
+        pointers_kept(sync)
         previous = adapters
 
     seqs, lps = engine_logprobs(lora_engine, prompts)  # no adapter: the 8-bit base as synced at sync 1
