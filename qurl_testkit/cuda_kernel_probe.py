@@ -1,16 +1,59 @@
-"""Test engines' worker extension with vLLM's CUDA INT8 kernel classes forced through vLLM's selector
+"""Test engines' worker extensions with vLLM's CUDA INT8 or FP8 kernel classes forced through vLLM's selector
 (``qurl_testkit.cuda_kernel_stand_ins``), and the probes the tests of ``tests/integration/
-test_forced_cuda_int8_kernels.py`` read them with."""
+test_forced_cuda_int8_kernels.py`` and ``test_forced_cuda_fp8_kernels.py`` read them with."""
 from __future__ import annotations
+
+import io
 
 import torch
 
 from qurl_testkit import cuda_kernel_stand_ins
 from qurl_testkit.reload_probe import Int8GemmProbeWorkerExtension, Level2SleepProbe
 from qurl_verl.rollout import int8_gemm_report
+from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 
 
-class ForcedCudaInt8WorkerExtension(Int8GemmProbeWorkerExtension):
+class TensorRecordsProbe:
+    """What a captured CUDA graph holds, read in the engine (a mix-in of worker extensions)."""
+
+    def probe_tensor_records_with_a_copy(self, module_name: str, param: str) -> dict[str, tuple]:
+        """The records as ``probe_tensor_records`` makes them while one parameter is a copy in new storage (what a
+        reload that re-registers its parameters leaves); the parameter is put back."""
+        module = dict(self.model_runner.model.named_modules())[module_name]
+        original = getattr(module, param)
+        try:
+            setattr(module, param, torch.nn.Parameter(original.detach().clone(), requires_grad=False))
+            return self.probe_tensor_records()
+        finally:
+            setattr(module, param, original)
+
+    def probe_tensor_records(self) -> dict[str, tuple]:
+        """(data_ptr, shape, stride, dtype) of every parameter and buffer of the model, of each attention layer's
+        ``_k_scale``/``_v_scale`` (whatever they are on this vLLM) and of each LoRA layer's adapter slots
+        (``lora_a_stacked``/``lora_b_stacked``: a tensor, or a tuple of them): what a captured CUDA graph holds."""
+        model = self.model_runner.model
+        records = {}
+
+        def add(label, t):
+            if isinstance(t, torch.Tensor):
+                records[label] = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+        for name, p in model.named_parameters(remove_duplicate=False):
+            add(f"parameter {name}", p)
+        for name, b in model.named_buffers(remove_duplicate=False):
+            add(f"buffer {name}", b)
+        for name, module in model.named_modules():
+            for attr in ("_k_scale", "_v_scale"):
+                if hasattr(module, attr):
+                    add(f"attention {name}.{attr}", getattr(module, attr))
+            for attr in ("lora_a_stacked", "lora_b_stacked"):
+                slots = getattr(module, attr, None)
+                for i, t in enumerate(slots if isinstance(slots, (tuple, list)) else (slots,)):
+                    add(f"lora {name}.{attr}[{i}]", t)
+        return records
+
+
+class ForcedCudaInt8WorkerExtension(TensorRecordsProbe, Int8GemmProbeWorkerExtension):
     """The production extension (with the INT8 GEMM recorder) on a CPU where vLLM's selector may choose its CUDA
     INT8 classes: Cutlass, unless the environment disables it (``VLLM_DISABLED_KERNELS``), then Triton."""
 
@@ -55,46 +98,44 @@ class ForcedCudaInt8WorkerExtension(Int8GemmProbeWorkerExtension):
         finally:
             layer.weight = weight
 
-    def probe_tensor_records_with_a_copy(self, module_name: str, param: str) -> dict[str, tuple]:
-        """The records as ``probe_tensor_records`` makes them while one parameter is a copy in new storage (what a
-        reload that re-registers its parameters leaves); the parameter is put back."""
-        module = dict(self.model_runner.model.named_modules())[module_name]
-        original = getattr(module, param)
-        try:
-            setattr(module, param, torch.nn.Parameter(original.detach().clone(), requires_grad=False))
-            return self.probe_tensor_records()
-        finally:
-            setattr(module, param, original)
-
-    def probe_tensor_records(self) -> dict[str, tuple]:
-        """(data_ptr, shape, stride, dtype) of every parameter and buffer of the model, of each attention layer's
-        ``_k_scale``/``_v_scale`` (whatever they are on this vLLM) and of each LoRA layer's adapter slots
-        (``lora_a_stacked``/``lora_b_stacked``: a tensor, or a tuple of them): what a captured CUDA graph holds."""
-        model = self.model_runner.model
-        records = {}
-
-        def add(label, t):
-            if isinstance(t, torch.Tensor):
-                records[label] = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
-
-        for name, p in model.named_parameters(remove_duplicate=False):
-            add(f"parameter {name}", p)
-        for name, b in model.named_buffers(remove_duplicate=False):
-            add(f"buffer {name}", b)
-        for name, module in model.named_modules():
-            for attr in ("_k_scale", "_v_scale"):
-                if hasattr(module, attr):
-                    add(f"attention {name}.{attr}", getattr(module, attr))
-            for attr in ("lora_a_stacked", "lora_b_stacked"):
-                slots = getattr(module, attr, None)
-                for i, t in enumerate(slots if isinstance(slots, (tuple, list)) else (slots,)):
-                    add(f"lora {name}.{attr}[{i}]", t)
-        return records
-
-
 class ForcedCudaInt8Level2SleepProbe(ForcedCudaInt8WorkerExtension, Level2SleepProbe):
     """The forced CUDA INT8 extension with the simulated level-2 sleep of the reload tests
     (``Level2SleepProbe.probe_level2_sleep``): what a GPU engine's weights hold after verl's level-2 sleep."""
+
+
+class ForcedCudaFp8WorkerExtension(TensorRecordsProbe, QurlWorkerExtension):
+    """The production extension on a CPU where vLLM's selector may choose its Cutlass FP8 classes: the per-channel
+    one for ``fp8``, the block-scaled one for ``fp8_block``."""
+
+    @classmethod
+    def _install_cpu_patches(cls) -> None:
+        super()._install_cpu_patches()
+        cuda_kernel_stand_ins.install_fp8()
+
+    def probe_fp8_kernel_classes(self) -> dict[str, str]:
+        """{module name: the class of the FP8 kernel object its compressed-tensors scheme holds (``fp8_linear``)}."""
+        return {name: type(module.scheme.fp8_linear).__name__ for name, module in self.model_runner.model.named_modules()
+                if hasattr(getattr(module, "scheme", None), "fp8_linear")}
+
+    def probe_fp8_weights(self) -> bytes:
+        """``torch.save``d {module name: (weight, weight_scale)} of every FP8 linear, as its kernel holds them (copies
+        with their strides)."""
+        held = {name: (module.weight.detach().clone(), module.weight_scale.detach().clone())
+                for name, module in self.model_runner.model.named_modules()
+                if hasattr(getattr(module, "scheme", None), "fp8_linear")}
+        buffer = io.BytesIO()
+        torch.save(held, buffer)
+        return buffer.getvalue()
+
+    def probe_cutlass_calls(self) -> dict[str, int]:
+        """The stand-in Cutlass op's calls in this worker so far, by scaling and code dtype."""
+        return dict(cuda_kernel_stand_ins.CALLS)
+
+    def probe_use_deep_gemm(self) -> bool:
+        """``VLLM_USE_DEEP_GEMM`` as vLLM reads it in this worker."""
+        import vllm.envs as envs
+
+        return bool(envs.VLLM_USE_DEEP_GEMM)
 
 
 def _act_dtype(layer) -> torch.dtype:
