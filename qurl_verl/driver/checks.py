@@ -40,6 +40,7 @@ from qurl_verl.rollout.engine_checks import (
     check_architecture,
     check_cpu_rollout_format,
     check_fp8_block_shapes,
+    check_fp8_channel_shapes,
     check_fp8_hardware,
     check_int8_hardware,
     check_quantized_experts,
@@ -267,6 +268,9 @@ CHECKS = (
     Check("fp8_block: every rank's part of a layer is whole 128 x 128 blocks", _qurl_vllm,  # the servers check again
           lambda r: check_fp8_block_shapes(r.rollout, r.model.config, int(select(r.cfg, ROLLOUT_PARALLEL_KEYS[0], 1) or 1)),
           "tensor_model_parallel_size="),
+    Check("fp8 on a GPU: every rank's layer widths are multiples of 16 (vLLM's Cutlass FP8 kernel)", _qurl_vllm,
+          lambda r: check_fp8_channel_shapes(r.rollout, r.model.config, int(select(r.cfg, ROLLOUT_PARALLEL_KEYS[0], 1) or 1),
+                                             r.host.cuda_capability), "Use another"),  # the servers check again
     Check("this CPU has a kernel for the format", lambda r: _qurl_vllm(r) and r.on_cpu,
           lambda r: check_cpu_rollout_format(r.rollout, amx=r.host.amx, amx_fp8=r.host.amx_fp8),
           f"Use {QUANTIZATION_KEY}=fp8"),

@@ -203,6 +203,52 @@ def check_fp8_block_shapes(settings: RolloutSettings, hf_config: dict | None, te
         )
 
 
+CUTLASS_FP8_ALIGNMENT = 16  # vLLM's Cutlass FP8 kernel pads a weight's sides to multiples of this
+
+
+def fp8_channel_output_widths(hf_config: dict, tensor_parallel: int) -> dict[str, int]:
+    """Per fused layer of a dense decoder (or an MoE model's attention and shared expert): the output width N of
+    the weight one rank holds at rollout TP ``tensor_parallel``, as vLLM's Cutlass FP8 kernel sees it after loading
+    (``QKVParallelLinear`` replicates KV heads when TP exceeds their count)."""
+    hf = text_config(hf_config)
+    t = max(int(tensor_parallel), 1)
+    heads = int(hf.get("num_attention_heads") or 0)
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    dim, hidden = head_dim(hf) or 0, int(hf.get("hidden_size") or 0)
+    widths = {"self_attn.qkv_proj": (heads // t + 2 * max(kv_heads // t, 1)) * dim, "self_attn.o_proj": hidden}
+    inter = {"mlp": int(hf.get("intermediate_size") or 0)} if moe_experts(hf_config) is None else {}
+    if hf.get("shared_expert_intermediate_size"):
+        inter["mlp.shared_expert"] = int(hf["shared_expert_intermediate_size"])
+    for prefix, size in inter.items():
+        widths[f"{prefix}.gate_up_proj"] = 2 * (size // t)
+        widths[f"{prefix}.down_proj"] = hidden
+    return widths
+
+
+def check_fp8_channel_shapes(settings: RolloutSettings, hf_config: dict | None, tensor_parallel: int,
+                             capability: tuple[int, int] | None) -> None:
+    """Refuse ``quantization=fp8`` on a CUDA GPU where a quantized layer's output width per rank is not a multiple
+    of 16: vLLM's Cutlass FP8 kernel (0.24 to 0.32; the per-channel kernel of every FP8 GPU) fails in its weight
+    post-processing there, at engine start (after padding the per-channel scales it sets the padded loader on the
+    weight a second time, which ``set_weight_attrs`` refuses: ``tests/unit/test_cuda_kernel_stand_ins.py`` pins it).
+    CPUs run another kernel and are not checked."""
+    if capability is None or settings.format is not RolloutFormat.FP8 or not hf_config:
+        return
+    layers = int(text_config(hf_config).get("num_hidden_layers") or 1)
+    shards = {"self_attn.qkv_proj": "self_attn.q_proj", "mlp.gate_up_proj": "mlp.gate_proj",
+              "mlp.shared_expert.gate_up_proj": "mlp.shared_expert.gate_proj"}
+    found = [f"{layer} ({n} columns per rank)" for layer, n in fp8_channel_output_widths(hf_config, tensor_parallel).items()
+             if n % CUTLASS_FP8_ALIGNMENT and any(not is_ignored(f"model.layers.{i}.{shards.get(layer, layer)}",
+                                                                 settings.ignore_patterns) for i in range(layers))]
+    if found:
+        raise QurlConfigError(
+            f"{QUANTIZATION_KEY}=fp8 at rollout tensor_model_parallel_size={tensor_parallel}: vLLM's Cutlass FP8 kernel "
+            f"fails to load a layer whose output width per rank is not a multiple of {CUTLASS_FP8_ALIGNMENT}, and "
+            f"{'; '.join(found)} are not (a vLLM bug in its scale padding). Use another {ROLLOUT_PARALLEL_KEYS[0]}, "
+            f"keep those layers in full precision ({ROLLOUT_CUSTOM_KEY}.ignore), or use {QUANTIZATION_KEY}=int8"
+        )
+
+
 def check_vllm_version(version: str | None) -> None:
     """The version gate on ``versions.vllm_verdict``: a vLLM without the layerwise reload is refused naming the
     fix; an untested release is warned of, once per process; a tested one passes (``versions.TESTED_VLLM``)."""

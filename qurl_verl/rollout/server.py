@@ -43,6 +43,7 @@ from qurl_verl.rollout.cuda_kernel_env import kernel_env, nvidia_capability
 from qurl_verl.rollout.engine_checks import (
     check_architecture,
     check_fp8_block_shapes,
+    check_fp8_channel_shapes,
     check_fp8_hardware,
     check_int8_hardware,
     check_quantized_experts,
@@ -80,7 +81,9 @@ class QurlvLLMHttpServer(vLLMHttpServer):
                                     cuda_graphs=not self.config.enforce_eager)
         check_fp8_hardware(settings, host.cuda_capability)
         check_int8_hardware(settings, host.cuda_capability)
-        check_fp8_block_shapes(settings, hf_config.to_dict(), int(self.config.tensor_model_parallel_size or 1))
+        tensor_parallel = int(self.config.tensor_model_parallel_size or 1)
+        check_fp8_block_shapes(settings, hf_config.to_dict(), tensor_parallel)
+        check_fp8_channel_shapes(settings, hf_config.to_dict(), tensor_parallel, host.cuda_capability)
         set_kernel_env(settings, host.cuda_capability)
         return settings.engine_quantization()
 

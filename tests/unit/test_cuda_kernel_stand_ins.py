@@ -275,3 +275,32 @@ def test_the_stand_in_refuses_a_block_bias_and_block_int8(forced_fp8):
         cuda_kernel_stand_ins.cutlass_scaled_mm(out, a, b, a_s, b_s, torch.zeros(BN, dtype=torch.bfloat16))
     with pytest.raises(AssertionError, match="float8"):
         cuda_kernel_stand_ins.cutlass_scaled_mm(out, a.view(torch.int8), b.view(torch.int8), a_s, b_s)
+
+
+@pytest.mark.parametrize("width", [16, 40, 48, 72, 1152])
+def test_the_rollout_refuses_fp8_exactly_where_vllms_cutlass_post_processing_fails(forced_fp8, width):
+    """``check_fp8_channel_shapes`` (driver and rollout server, on a GPU) against vLLM's own Cutlass FP8 class: a
+    layer whose output width per rank is ``width`` is refused iff the class's post-processing fails for it."""
+    from qurl_verl.rollout.engine_checks import check_fp8_channel_shapes
+    from qurl_verl.settings import QurlConfigError, RolloutSettings
+
+    layer, *_ = _fp8_layer(False, width, K)
+    try:
+        _fp8_kernel(False, width, K).process_weights_after_loading(layer)
+        vllm_fails = False
+    except AssertionError:
+        vllm_fails = True
+    # a dense decoder whose MLP's fused gate_up_proj is ``width`` wide; every other layer 64 or 192 wide
+    hf = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "intermediate_size": width // 2}
+    fp8 = RolloutSettings(format="fp8")
+    try:
+        check_fp8_channel_shapes(fp8, hf, 1, (9, 0))
+        refused = False
+    except QurlConfigError as e:
+        refused = True
+        assert f"mlp.gate_up_proj ({width} columns per rank)" in str(e) and "quantization=int8" in str(e), str(e)
+    assert refused == vllm_fails, (width, refused, vllm_fails)
+    check_fp8_channel_shapes(fp8, hf, 1, None)  # a CPU rollout: vLLM-CPU's FP8 kernel takes any width
+    check_fp8_channel_shapes(RolloutSettings(format="int8"), hf, 1, (9, 0))
+    check_fp8_channel_shapes(RolloutSettings(format="fp8", ignore=["gate_proj", "up_proj"]), hf, 1, (9, 0))
