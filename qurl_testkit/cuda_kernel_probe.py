@@ -98,9 +98,38 @@ class ForcedCudaInt8WorkerExtension(TensorRecordsProbe, Int8GemmProbeWorkerExten
         finally:
             layer.weight = weight
 
-class ForcedCudaInt8Level2SleepProbe(ForcedCudaInt8WorkerExtension, Level2SleepProbe):
+class FullGraphWrapperProbe:
+    """vLLM's own ``CUDAGraphWrapper`` around a live engine's model (a mix-in of worker extensions)."""
+
+    def probe_wrap_model_for_full_graphs(self, wrap: bool) -> str:
+        """Put vLLM's ``CUDAGraphWrapper`` in FULL mode around the model runner's model, as a GPU model runner does
+        under verl's default ``cudagraph_mode`` (``FULL_AND_PIECEWISE``), or take it off; the type the runner holds
+        now. The wrapper is no ``nn.Module``: it forwards attribute reads to the model and calls it whenever the
+        forward context says no graph (always here: the engines run eager). The one CUDA object it asks for at
+        construction, the platform's graph pool handle (read only when a graph is captured), is a placeholder."""
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+        from vllm.config import CUDAGraphMode
+        from vllm.platforms import current_platform
+
+        runner = self.model_runner
+        if not wrap:
+            if isinstance(runner.model, CUDAGraphWrapper):
+                runner.model = runner.model.unwrap()
+            return type(runner.model).__name__
+        platform = type(current_platform)
+        pool = platform._global_graph_pool
+        platform._global_graph_pool = pool if pool is not None else object()
+        try:
+            runner.model = CUDAGraphWrapper(runner.model, runner.vllm_config, runtime_mode=CUDAGraphMode.FULL)
+        finally:
+            platform._global_graph_pool = pool
+        return type(runner.model).__name__
+
+
+class ForcedCudaInt8Level2SleepProbe(FullGraphWrapperProbe, ForcedCudaInt8WorkerExtension, Level2SleepProbe):
     """The forced CUDA INT8 extension with the simulated level-2 sleep of the reload tests
-    (``Level2SleepProbe.probe_level2_sleep``): what a GPU engine's weights hold after verl's level-2 sleep."""
+    (``Level2SleepProbe.probe_level2_sleep``): what a GPU engine's weights hold after verl's level-2 sleep; and
+    vLLM's full-graph wrapper around its model on request."""
 
 
 class ForcedCudaFp8WorkerExtension(TensorRecordsProbe, QurlWorkerExtension):

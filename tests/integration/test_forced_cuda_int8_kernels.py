@@ -46,6 +46,10 @@ the model, in place. ``Level2SleepProbe.probe_level2_sleep`` leaves the engine i
 holds overwritten with NaN or random codes, the buffers put back); after the sync, every GEMM is the exact W8A8
 product of this sync's codes again and every record is the one of the start.
 
+With verl's default ``cudagraph_mode`` a GPU model runner holds the model inside vLLM's ``CUDAGraphWrapper`` (FULL):
+the engine's model is wrapped in vLLM's own wrapper for two syncs, which must find and rebuild every layer through
+its attribute forwarding.
+
 Not forced here: the GPU kernels themselves (their tiling, float32 epilogue, Triton's bias after the bf16
 rounding on vLLM 0.24), CUDA graphs (the engines run eager), and the platform answers other code asks for
 (attention, the model runner): only the two INT8 classes see a CUDA platform.
@@ -177,6 +181,26 @@ class TestForcedCutlass:
         (now,) = cutlass_engine.collective_rpc("probe_tensor_records")
         start = AT_START["records"]
         assert {k for k in start.keys() | now.keys() if start.get(k) != now.get(k)} == set(), "moved after the sleep"
+
+    def test_syncs_reach_the_model_inside_vllms_full_graph_wrapper(self, cutlass_engine, tiny_model_dir):
+        """With verl's default ``cudagraph_mode`` a GPU model runner holds its model inside vLLM's ``CUDAGraphWrapper``,
+        which is no ``nn.Module`` and forwards attribute reads. Through it, the sync finds every INT8 layer and
+        rebuilds them in place: exact GEMMs of the new codes, the records of the start."""
+        assert cutlass_engine.collective_rpc("probe_wrap_model_for_full_graphs", args=(True,)) == ["CUDAGraphWrapper"]
+        try:
+            trainer = TrainerWeights(tiny_model_dir, seed=3)
+            first = _tracks(cutlass_engine, tiny_model_dir, trainer, torch.bfloat16)
+            previous = {k: v.clone() for k, v in trainer.master.items()}
+            trainer.step()
+            row = _tracks(cutlass_engine, tiny_model_dir, trainer, torch.bfloat16, previous)
+            print(f"\nthrough CUDAGraphWrapper: sync 1 {first['vs_w8a8_ref']}; sync 2 {row}")
+            assert row["gemms"] == {CUTLASS} and row["vs_w8a8_ref"]["median"] <= BF16_MEDIAN, row
+            assert row["vs_previous_step"]["median"] > 2 * BF16_MEDIAN, row
+            (now,) = cutlass_engine.collective_rpc("probe_tensor_records")
+            start = AT_START["records"]
+            assert {k for k in start.keys() | now.keys() if start.get(k) != now.get(k)} == set()
+        finally:
+            cutlass_engine.collective_rpc("probe_wrap_model_for_full_graphs", args=(False,))
 
     def test_a_mis_packed_weight_fails_the_checks(self, cutlass_engine, tiny_model_dir):
         trainer = TrainerWeights(tiny_model_dir)
