@@ -4,6 +4,7 @@ test_forced_cuda_int8_kernels.py`` and ``test_forced_cuda_fp8_kernels.py`` read 
 from __future__ import annotations
 
 import io
+import os
 
 import torch
 
@@ -170,3 +171,36 @@ class ForcedCudaFp8WorkerExtension(TensorRecordsProbe, QurlWorkerExtension):
 def _act_dtype(layer) -> torch.dtype:
     """The engine's activation dtype, as vLLM's linear layers keep it (``params_dtype``)."""
     return getattr(layer, "params_dtype", torch.bfloat16)
+
+
+FORCED_CUDA_INT8_EXTENSION = f"{__name__}.ForcedCudaInt8WorkerExtension"
+BLACKWELL = (10, 0)
+
+
+def start_triton_int8_engine(model_dir, settings, environment, **engine_args):
+    """An engine whose INT8 linears run vLLM's CUDA ``TritonInt8ScaledMMLinearKernel``, chosen by vLLM's selector
+    under the rollout server's own environment for a Blackwell GPU (``server.set_kernel_env``: Cutlass disabled),
+    set while the engine's workers start (``environment``: the test module's ``MonkeyPatch``, which restores what
+    was there). Triton takes fp32 outputs, so an fp32 engine keeps the fp32 bounds. Returns (engine, its tensor
+    records at the start: what a GPU engine's captured graphs hold)."""
+    from qurl_testkit.reload_harness import start_engine
+    from qurl_verl.rollout.cuda_kernel_env import DISABLED_KERNELS_ENV
+    from qurl_verl.rollout.server import set_kernel_env
+
+    environment.delenv(DISABLED_KERNELS_ENV, raising=False)
+    set_kernel_env(settings, BLACKWELL)
+    try:
+        llm = start_engine(model_dir, settings, extension=FORCED_CUDA_INT8_EXTENSION, **engine_args)
+    finally:
+        os.environ.pop(DISABLED_KERNELS_ENV, None)
+    (records,) = llm.collective_rpc("probe_tensor_records")
+    return llm, records
+
+
+def moved_records(llm, at_start: dict[str, tuple]) -> dict[str, tuple]:
+    """{label: (record at the start, record now)} of every tensor whose pointer, shape, stride or dtype differs from
+    ``at_start`` (or that appeared or vanished) on the engine's first rank: empty when a captured graph still
+    holds the model."""
+    (now,) = llm.collective_rpc("probe_tensor_records")
+    return {k: (at_start.get(k), now.get(k)) for k in at_start.keys() | now.keys() if at_start.get(k) != now.get(k)}
+

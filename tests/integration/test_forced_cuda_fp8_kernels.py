@@ -63,6 +63,7 @@ import pytest
 import torch
 from test_qurl_vllm_int8_gemms import FUSED_SHARDS
 
+from qurl_testkit.cuda_kernel_probe import moved_records
 from qurl_testkit.cuda_kernel_stand_ins import CUTLASS_FP8, CUTLASS_FP8_BLOCK
 from qurl_testkit.reload_harness import (
     TrainerWeights,
@@ -189,8 +190,7 @@ def _pointers_stay(llm, model_dir, start) -> None:
             trainer.step()
         (stats,) = sync_weights(llm, trainer.named_tensors())
         assert stats["quantized"] == QUANTIZED, stats
-        (now,) = llm.collective_rpc("probe_tensor_records")
-        moved = {k: (start.get(k), now.get(k)) for k in start.keys() | now.keys() if start.get(k) != now.get(k)}
+        moved = moved_records(llm, start)
         assert not moved, (sync + 1, moved)
     print(f"\n{len(start)} tensors kept their pointer, shape, stride and dtype from the engine's start over {SYNCS} syncs")
     # ... and a parameter in new storage would show

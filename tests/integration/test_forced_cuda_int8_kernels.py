@@ -56,12 +56,11 @@ rounding on vLLM 0.24), CUDA graphs (the engines run eager), and the platform an
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_qurl_vllm_int8_gemms import INT8_LINEARS, check_against, recorded_calls
 
+from qurl_testkit.cuda_kernel_probe import moved_records, start_triton_int8_engine
 from qurl_testkit.cuda_kernel_stand_ins import CUTLASS, TRITON
 from qurl_testkit.reload_harness import (
     TrainerWeights,
@@ -77,7 +76,6 @@ from qurl_testkit.reload_harness import (
     sync_weights,
 )
 from qurl_verl import versions
-from qurl_verl.rollout.cuda_kernel_env import DISABLED_KERNELS_ENV
 from qurl_verl.settings import RolloutSettings
 
 # vLLM's CUDA-path Python is checked on the vLLM GPU users run (verl 0.9.1 declares 0.24); the stand-ins' own
@@ -87,11 +85,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.both_stacks, pytest.mark.usef
               pytest.mark.skipif(not ON_GPU_USERS_VLLM, reason="vLLM's CUDA INT8 classes are forced on vLLM 0.24, GPU users' vLLM")]
 
 INT8 = RolloutSettings(format="int8")
-EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"
-SLEEP_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8Level2SleepProbe"
+EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8Level2SleepProbe"  # + level-2 sleep, the graph wrapper
 SYNCS = 3
 BF16_MEDIAN = 0.03
-BLACKWELL = (10, 0)
 SCRAMBLED = "model.layers.1.mlp.down_proj"
 AT_START = {}  # the Cutlass engine's tensor records right after it started, before any sync
 
@@ -132,7 +128,7 @@ class TestForcedCutlass:
     @pytest.fixture(scope="class")
     def cutlass_engine(self, tiny_model_dir, engine_environment):
         require_vllm()
-        llm = start_engine(tiny_model_dir, INT8, dtype="bfloat16", extension=SLEEP_EXTENSION)
+        llm = start_engine(tiny_model_dir, INT8, dtype="bfloat16", extension=EXTENSION)
         (AT_START["records"],) = llm.collective_rpc("probe_tensor_records")  # where a GPU engine captures its graphs
         yield llm
         stop_engine(llm)
@@ -159,8 +155,7 @@ class TestForcedCutlass:
                 trainer.step()
             (stats,) = sync_weights(cutlass_engine, trainer.named_tensors())
             assert stats["quantized"] == 14, stats
-            (now,) = cutlass_engine.collective_rpc("probe_tensor_records")
-            moved = {k: (start.get(k), now.get(k)) for k in start.keys() | now.keys() if start.get(k) != now.get(k)}
+            moved = moved_records(cutlass_engine, start)
             assert not moved, (sync + 1, moved)
         print(f"\n{len(start)} tensors kept their pointer, shape, stride and dtype from the engine's start over 3 syncs")
         # ... and a parameter in new storage would show
@@ -178,9 +173,7 @@ class TestForcedCutlass:
         print(f"\nlevel-2 sleep wiped {wiped}; before {before['vs_w8a8_ref']}, after the sync {after}")
         assert after["gemms"] == {CUTLASS} and after["vs_w8a8_ref"]["median"] <= BF16_MEDIAN, after
         assert after["vs_previous_step"]["median"] > 2 * BF16_MEDIAN, after
-        (now,) = cutlass_engine.collective_rpc("probe_tensor_records")
-        start = AT_START["records"]
-        assert {k for k in start.keys() | now.keys() if start.get(k) != now.get(k)} == set(), "moved after the sleep"
+        assert moved_records(cutlass_engine, AT_START["records"]) == {}, "moved after the sleep"
 
     def test_syncs_reach_the_model_inside_vllms_full_graph_wrapper(self, cutlass_engine, tiny_model_dir):
         """With verl's default ``cudagraph_mode`` a GPU model runner holds its model inside vLLM's ``CUDAGraphWrapper``,
@@ -196,9 +189,7 @@ class TestForcedCutlass:
             print(f"\nthrough CUDAGraphWrapper: sync 1 {first['vs_w8a8_ref']}; sync 2 {row}")
             assert row["gemms"] == {CUTLASS} and row["vs_w8a8_ref"]["median"] <= BF16_MEDIAN, row
             assert row["vs_previous_step"]["median"] > 2 * BF16_MEDIAN, row
-            (now,) = cutlass_engine.collective_rpc("probe_tensor_records")
-            start = AT_START["records"]
-            assert {k for k in start.keys() | now.keys() if start.get(k) != now.get(k)} == set()
+            assert moved_records(cutlass_engine, AT_START["records"]) == {}
         finally:
             cutlass_engine.collective_rpc("probe_wrap_model_for_full_graphs", args=(False,))
 
@@ -228,23 +219,15 @@ def test_blackwell_environment_takes_the_triton_int8_kernel(tiny_model_dir, engi
     it before the engine starts), in the engine's processes: vLLM's selector skips the disabled Cutlass class and
     takes Triton, which tracks the W8A8 reference in fp32 with the reload tests' bounds."""
     require_vllm()
-    from qurl_verl.rollout.server import set_kernel_env
-
-    engine_environment.delenv(DISABLED_KERNELS_ENV, raising=False)  # undone (restored) with the module's environment
-    set_kernel_env(INT8, BLACKWELL)
+    llm, _ = start_triton_int8_engine(tiny_model_dir, INT8, engine_environment, dtype="float32")
     try:
-        assert os.environ[DISABLED_KERNELS_ENV].split(",") == [CUTLASS], os.environ[DISABLED_KERNELS_ENV]
-        llm = start_engine(tiny_model_dir, INT8, dtype="float32", extension=EXTENSION)
-        try:
-            (classes,) = llm.collective_rpc("probe_int8_kernel_classes")
-            assert len(classes) == INT8_LINEARS and set(classes.values()) == {TRITON}, classes
-            for row in _over_syncs(llm, tiny_model_dir, torch.float32, syncs=2):
-                d = row["vs_w8a8_ref"]
-                assert row["gemms"] == {TRITON}, row
-                assert d["median"] <= 1e-5 and d["p75"] <= 1e-4 and d["max"] <= 0.1, row
-                if "vs_previous_step" in row:
-                    assert row["vs_previous_step"]["median"] >= 2e-2, row
-        finally:
-            stop_engine(llm)
+        (classes,) = llm.collective_rpc("probe_int8_kernel_classes")
+        assert len(classes) == INT8_LINEARS and set(classes.values()) == {TRITON}, classes
+        for row in _over_syncs(llm, tiny_model_dir, torch.float32, syncs=2):
+            d = row["vs_w8a8_ref"]
+            assert row["gemms"] == {TRITON}, row
+            assert d["median"] <= 1e-5 and d["p75"] <= 1e-4 and d["max"] <= 0.1, row
+            if "vs_previous_step" in row:
+                assert row["vs_previous_step"]["median"] >= 2e-2, row
     finally:
-        os.environ.pop(DISABLED_KERNELS_ENV, None)
+        stop_engine(llm)

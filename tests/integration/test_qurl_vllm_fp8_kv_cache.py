@@ -15,6 +15,13 @@ break differently, one flipped code each. Everything else is INT8 as usual.
   engine tracks the reference with those scales, and not the reference with the previous ones;
 * a stream with the scales of one layer only fails the sync (no stale scale).
 
+On vLLM 0.24 (GPU users' vLLM) the INT8 linears run vLLM's CUDA ``TritonInt8ScaledMMLinearKernel``, chosen by its
+selector under the rollout server's environment for a Blackwell GPU over exact fp32 stand-ins
+(``qurl_testkit.cuda_kernel_probe.start_triton_int8_engine``; the bounds below hold), and the CUDA-graph pointer
+contract is checked after every sync: the attention layers' ``_k_scale``/``_v_scale`` that take the streamed scales,
+and every parameter and buffer, keep the pointer, shape, stride and dtype they had at the engine's start (a captured
+graph reads the scales from there).
+
 The reference stores K and V as vLLM-CPU does: x times the float32 reciprocal of the scale, saturated,
 rounded toward zero to E4M3 (``csrc/cpu/cpu_attn_fp8.hpp``; CUDA kernels round to nearest). Tolerance
 of engine vs reference (per-token |log-prob difference|), the bounds of the INT8 engine tests with a
@@ -28,6 +35,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qurl_testkit.cuda_kernel_probe import moved_records, start_triton_int8_engine
+from qurl_testkit.cuda_kernel_stand_ins import TRITON
 from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
@@ -41,6 +50,7 @@ from qurl_testkit.reload_harness import (
     summary,
     sync_weights,
 )
+from qurl_verl import versions
 from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
 from qurl_verl.quant.kv_cache import KVRangeObserver, kv_scales, parse_kv_scale_name
 from qurl_verl.settings import RolloutSettings
@@ -49,6 +59,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environme
 
 INT8_FP8_KV = RolloutSettings(format="int8", kv_cache="fp8", ignore=("o_proj",))
 LAYERS = 2
+ON_GPU_USERS_VLLM = versions.vllm_release(versions.installed_vllm_version()) == (0, 24)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +70,11 @@ def fp8_kv_engine(tiny_model_dir, engine_environment):
     if not (torch_.cpu._is_avx512_supported() or torch_.cpu._is_amx_tile_supported()):
         pytest.skip("vLLM-CPU has an FP8 KV cache on AVX-512 and AMX CPUs only; the driver refuses it here "
                     "(tests/unit/test_config_checks.py forces this branch on every CPU)")
-    llm = start_engine(tiny_model_dir, INT8_FP8_KV, dtype="float32")
-    yield llm
+    if ON_GPU_USERS_VLLM:
+        llm, at_start = start_triton_int8_engine(tiny_model_dir, INT8_FP8_KV, engine_environment, dtype="float32")
+    else:
+        llm, at_start = start_engine(tiny_model_dir, INT8_FP8_KV, dtype="float32"), None
+    yield llm, at_start
     stop_engine(llm)
 
 
@@ -78,6 +92,11 @@ def as_pairs(scales: dict[str, torch.Tensor]) -> dict[tuple[int, str], float]:
 
 
 def test_the_engine_attends_with_the_streamed_kv_scales(fp8_kv_engine, tiny_model_dir):
+    fp8_kv_engine, at_start = fp8_kv_engine
+    if at_start is not None:
+        (classes,) = fp8_kv_engine.collective_rpc("probe_int8_kernel_classes")
+        assert set(classes.values()) == {TRITON}, classes
+        assert sum(k.startswith("attention ") for k in at_start) == 2 * LAYERS, sorted(at_start)
     trainer = TrainerWeights(tiny_model_dir)
     prompts = prompt_ids(tiny_model_dir)
     previous = {(i, p): 1.0 for i in range(LAYERS) for p in "qkv"}
@@ -105,11 +124,14 @@ def test_the_engine_attends_with_the_streamed_kv_scales(fp8_kv_engine, tiny_mode
             vs_stale = summary(abs_diffs(got, reference_logprobs(model, seqs, kv_scales=previous)))
             print(f"FP8 KV sync {sync + 1}: engine vs reference with the previous scales {vs_stale}")
             assert vs_stale["median"] > 1e-4, vs_stale
+        if at_start is not None:
+            assert not moved_records(fp8_kv_engine, at_start), sync + 1
         previous = scales
 
 
 def test_a_stream_with_some_layers_scales_only_fails_the_sync(fp8_kv_engine, tiny_model_dir):
     """Runs last: it breaks the engine on purpose."""
+    fp8_kv_engine, _ = fp8_kv_engine
     trainer = TrainerWeights(tiny_model_dir)
     model = reference_model(tiny_model_dir, trainer.master, INT8_FP8_KV, torch.float32)
     layer0 = {n: t for n, t in trainer_scales(model, prompt_ids(tiny_model_dir)).items() if parse_kv_scale_name(n)[0] == 0}

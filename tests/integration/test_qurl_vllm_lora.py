@@ -30,12 +30,11 @@ log-probs by about 1e-1: the check against the previous adapters can fail.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from test_qurl_vllm_int8_gemms import INT8_LINEARS
 
+from qurl_testkit.cuda_kernel_probe import moved_records, start_triton_int8_engine
 from qurl_testkit.cuda_kernel_stand_ins import TRITON
 from qurl_testkit.reload_harness import (
     TrainerWeights,
@@ -53,7 +52,6 @@ from qurl_testkit.reload_harness import (
 from qurl_verl import versions
 from qurl_verl.patches.cpu_platform import vllm_cpu_thread_binding
 from qurl_verl.rollout import vllm_versions
-from qurl_verl.rollout.cuda_kernel_env import DISABLED_KERNELS_ENV
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environment")]
@@ -62,8 +60,6 @@ INT8 = RolloutSettings(format="int8")
 RANK, ALPHA = 8, 16
 LINEARS = 14  # 7 projections x 2 layers, each quantized once and each carrying an adapter
 ON_GPU_USERS_VLLM = versions.vllm_release(versions.installed_vllm_version()) == (0, 24)
-FORCED_CUDA_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"
-BLACKWELL = (10, 0)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -82,20 +78,13 @@ def lora_engine(request, tiny_model_dir, engine_environment):
 
         cpus = [(c.id, c.numa_node) for c in cpu_resource_utils.get_allowed_cpu_list()]
         engine_environment.setenv(vllm_cpu_thread_binding.BIND_ENV, vllm_cpu_thread_binding.thread_binding(cpus, tp))
-    extension = {}
+    # what verl's vLLM server adds for lora_rank > 0 without merge (vllm_async_server.py)
+    lora = dict(dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=get_vllm_max_lora_rank(RANK),
+                tensor_parallel_size=tp)
     if ON_GPU_USERS_VLLM:
-        from qurl_verl.rollout.server import set_kernel_env
-
-        engine_environment.delenv(DISABLED_KERNELS_ENV, raising=False)
-        set_kernel_env(INT8, BLACKWELL)  # read by the workers' kernel choice at start-up
-        extension = {"extension": FORCED_CUDA_EXTENSION}
-    try:
-        # what verl's vLLM server adds for lora_rank > 0 without merge (vllm_async_server.py)
-        llm = start_engine(tiny_model_dir, INT8, dtype="float32", enable_lora=True, max_loras=1,
-                           max_lora_rank=get_vllm_max_lora_rank(RANK), tensor_parallel_size=tp, **extension)
-    finally:
-        os.environ.pop(DISABLED_KERNELS_ENV, None)
-    at_start = llm.collective_rpc("probe_tensor_records")[0] if extension else None
+        llm, at_start = start_triton_int8_engine(tiny_model_dir, INT8, engine_environment, **lora)
+    else:
+        llm, at_start = start_engine(tiny_model_dir, INT8, **lora), None
     yield llm, tp, at_start
     stop_engine(llm)
     engine_environment.delenv(vllm_cpu_thread_binding.BIND_ENV, raising=False)
@@ -167,9 +156,7 @@ def test_adapters_over_the_int8_base_track_the_torch_reference_sync_after_sync(l
 
     def pointers_kept(sync):
         if at_start is not None:
-            (now,) = lora_engine.collective_rpc("probe_tensor_records")
-            moved = {k: (at_start.get(k), now.get(k)) for k in at_start.keys() | now.keys() if at_start.get(k) != now.get(k)}
-            assert not moved, (sync, moved)
+            assert not moved_records(lora_engine, at_start), sync
     adapter = LoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH)
     trainer = TrainerWeights(tiny_model_dir)
     _, peft_config = peft_adapters(tiny_model_dir, seed=0)
