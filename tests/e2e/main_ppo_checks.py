@@ -55,13 +55,19 @@ def qurl_int8_trained(r: RunResult) -> None:
         assert row["actor/qurl/sync/total_s"] > 0 and row["actor/qurl/sync/quantized"] > 0, row
 
 
+def acr_truncates(r: RunResult) -> None:
+    """ACR's importance weight w = pi_prox / pi_behav, truncated at the preset's bound (2.0): its largest value each
+    step is at least 1 (some token's behaviour probability is the lower) and within the bound."""
+    for row in r.rows:
+        assert 1.0 <= row["actor/qurl/w_max"] < 2.0, row
+
+
 def int8_acr_uaq_run(r: RunResult) -> None:
     """The README's demo: `+qurl=int8` (INT8 W8A8 rollout re-quantized every step, ACR loss, UAQ)."""
     assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in r.log
     assert "skips verl's validate_config" not in r.log  # main_ppo's hook prepared it: the runtime-env wrapper did nothing
     qurl_int8_trained(r)
-    for row in r.rows:
-        assert 1.0 <= row["actor/qurl/w_max"] < 2.0, row
+    acr_truncates(r)
     # verl logs what update_actor returns under actor/; from the second sync on (step 1's loss sees only the
     # initial sync) the code-change rate is there too, and after an optimizer step at lr 1e-3 codes move
     for row in r.rows[1:]:

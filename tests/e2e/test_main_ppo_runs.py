@@ -12,9 +12,8 @@ checks to a run here before it adds a run (``tests/README.md``). Each run names 
 |---|---|---|---|
 | ``stock_vllm`` | verl's own ``rollout.name=vllm``, no preset | 0.32 | the plugin leaves a stock CPU run working: it trains and the engine serves the trainer's weights |
 | ``two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora`` | 2 FSDP ranks, rollout TP 2, FP8 KV cache; GAE critic; a 520-token vocabulary (vLLM pads it to 576); merged rank-8 LoRA | 0.32 | the demo's checks, 2 steps; both TP ranks load the same bits and KV scales (the FSDP ranks' ranges all-reduced), the whole checkpoint's at step 1; the critic trains beside the INT8 rollout and ACR; the padded embedding syncs every step, with no loader noise in the log; W + BA re-quantized every step, its codes move |
-| ``lora_adapters`` | rank-8 adapters (``lora.merge=false``) | 0.32 | UAQ skipped with the reason; base synced once (quantized), then adapters only; the mismatch is small |
 | ``moe_fp8_kv`` | the tiny Qwen3-MoE + FP8 KV cache | 0.24 | the MoE checks (the KL bound of an 8-bit run: the FP8 cache adds its own mismatch); the demo's checks (``int8_acr_uaq_run``: UAQ applied; every step re-quantizes, logs the mismatch, KL and ``w_max``, and the code-change rate, which is > 0); the KV scales: vLLM's 1.0 at step 1, the trainer's (both layers, below 1) after |
-| ``colocate_async`` | ``trainer.v1.trainer_mode=colocate_async`` | 0.32 | the demo's checks in verl's asynchronous colocated trainer: the engine paused and synced every step, the mismatch logged beside verl's staleness (0, then 1) |
+| ``colocate_async_lora_adapters`` | ``trainer.v1.trainer_mode=colocate_async``, rank-8 adapters (``lora.merge=false``) | 0.32 | verl's asynchronous colocated trainer: the engine paused and synced every step, the mismatch logged beside verl's staleness (0, then 1), ACR's weight truncated; adapters: UAQ skipped with the reason, the base synced once (quantized), then adapters only, the mismatch small. (UAQ and the code-change rate of the demo: the sync runs) |
 | ``separate_async_int8_sync`` | ``trainer.v1.trainer_mode=separate_async``: the actor and a standalone rollout replica on their own logical GPUs, synced through ``checkpoint_engine.backend=qurl_int8`` | 0.32 | verl's disaggregated trainer with the 8-bit sync: the trainer quantizes and sends codes + scales; the rollout loads them as they come (quantizes nothing) and its report reaches the logger with the next sync; at the first sync it holds the checkpoint's direct quantization bit for bit (checksum); the mismatch beside verl's staleness (0, then 1) |
 | ``two_ray_nodes_moe`` | ``trainer.nnodes=2`` on a two-node Ray cluster, the tiny Qwen3-MoE | 0.32 | the CPU platform and metrics reach both nodes; both replicas hold the same codes, new at each sync, the whole masters' at step 1; INT8 attention, full-precision experts re-built every step, verl's own probability diff and the KL at INT8 scale |
 
@@ -35,6 +34,7 @@ from main_ppo_checks import (
     FP8_KV,
     LORA,
     RunResult,
+    acr_truncates,
     async_mismatch_beside_staleness,
     critic_trained,
     disaggregated_int8_sync,
@@ -127,10 +127,9 @@ RUNS = (
                    "actor_rollout_ref.model.lora.merge=true"),
         checks=(int8_acr_uaq_run, tp2_ranks_agree, kv_scales_streamed, critic_trained, padded_vocab_synced_quietly,
                 merged_lora_requantized)),
-    Run("lora_adapters", overrides=LORA, checks=(lora_adapter_syncs,)),
     Run("moe_fp8_kv", model=moe_model, fp8_kv=True, stacks=("0.24",), checks=(moe_rollout, int8_acr_uaq_run, kv_scales_streamed)),
-    Run("colocate_async", overrides=("trainer.v1.trainer_mode=colocate_async",),
-        checks=(int8_acr_uaq_run, async_mismatch_beside_staleness)),
+    Run("colocate_async_lora_adapters", overrides=(*LORA, "trainer.v1.trainer_mode=colocate_async"),
+        checks=(lora_adapter_syncs, acr_truncates, async_mismatch_beside_staleness)),
     Run("separate_async_int8_sync", own_uaq_cache=True, overrides=SEPARATE_ASYNC_INT8_SYNC,
         env=(VERL_HYBRID_ENGINE_OFF_WORKAROUND,), checks=(async_mismatch_beside_staleness, disaggregated_int8_sync)),
     Run("two_ray_nodes_moe", model=moe_model, ray_nodes=2, own_uaq_cache=True,
