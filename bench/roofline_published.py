@@ -4,24 +4,23 @@ from __future__ import annotations
 from roofline_bytes import capacity_bound, compare_setups, decode_step_bytes, kv_bytes_per_token, weight_bytes_read_per_step
 from roofline_shapes import ACCELERATORS, GB, MODEL_SHAPES, SETUP_BY_NAME, ModelShape, model_shape
 
-# Set-ups of published speed-ups. Figures and sources as ../shared/docs/qurl-paper-spec.md (§5.5) and
-# ../shared/docs/peers.md (§3, §4, §12.J) give them; where a publication does not state a value the
-# roofline needs, the entry says which value was assumed.
+# Set-ups of published speed-ups, each with its source (the publication); where a publication does not state a
+# value the roofline needs, the entry says which value was assumed.
 PUBLISHED = [
     {
         "name": "QuRL paper, INT8 rollout, 7B",
         "claim": "INT8 vs BF16 rollout throughput 1.2-1.3x for 7B (single A6000/A100/H100)",
-        "source": "QuRL arXiv 2602.13953, Fig. 8, via qurl-paper-spec.md §5.5",
+        "source": "QuRL arXiv 2602.13953, Fig. 8",
         "published_low": 1.2, "published_high": 1.3, "setup": "w8a8",
         "model": "Qwen/Qwen2.5-7B", "tp": 1, "requested_seqs": 256, "max_num_seqs": 256,
         "max_prompt_length": 2048, "max_response_length": 8192, "gpu_memory_utilization": 0.9,
-        "assumed": "batch, lengths and memory share not published (qurl-paper-spec.md §4 [N]): the dapo recipe's "
+        "assumed": "batch, lengths and memory share not published (the paper does not state them): the dapo recipe's "
                    "lengths, verl's max_num_seqs, vLLM's default gpu_memory_utilization; H100 SXM",
     },
     {
         "name": "QuRL paper, INT8 rollout, 14B",
         "claim": "INT8 vs BF16 rollout throughput 1.3-1.6x for 14B",
-        "source": "QuRL arXiv 2602.13953, Fig. 8, via qurl-paper-spec.md §5.5",
+        "source": "QuRL arXiv 2602.13953, Fig. 8",
         "published_low": 1.3, "published_high": 1.6, "setup": "w8a8",
         "model": "Qwen/Qwen2.5-14B", "tp": 1, "requested_seqs": 256, "max_num_seqs": 256,
         "max_prompt_length": 2048, "max_response_length": 8192, "gpu_memory_utilization": 0.9,
@@ -30,7 +29,7 @@ PUBLISHED = [
     {
         "name": "QuRL paper, INT8 rollout, 32B at TP 2",
         "claim": "INT8 vs BF16 rollout throughput 1.7x on A100, about 1.83x on H100, 32B at TP=2",
-        "source": "QuRL arXiv 2602.13953, Fig. 8, via qurl-paper-spec.md §5.5",
+        "source": "QuRL arXiv 2602.13953, Fig. 8",
         "published_low": 1.7, "published_high": 1.83, "setup": "w8a8",
         "model": "Qwen/Qwen2.5-32B", "tp": 2, "requested_seqs": 256, "max_num_seqs": 256,
         "max_prompt_length": 2048, "max_response_length": 8192, "gpu_memory_utilization": 0.9,
@@ -40,7 +39,7 @@ PUBLISHED = [
         "name": "verl FP8 rollout (linear layers), Qwen3-8B-Base",
         "claim": "FP8 rollout about 12% (CUDA 12.6) to 18% (CUDA 12.9) faster, Qwen3-8B-Base DAPO, 20K response, "
                  "8xH100; over 35% for the MoE Qwen3-30B-A3B (not modelled here)",
-        "source": "verl docs/low_precision/fp8.md, via peers.md §3",
+        "source": "verl docs/low_precision/fp8.md",
         "published_low": 1.12, "published_high": 1.18, "setup": "w8a8",
         "model": "Qwen/Qwen3-8B-Base", "tp": 1, "requested_seqs": 192, "max_num_seqs": 256,
         "max_prompt_length": 2048, "max_response_length": 20480, "gpu_memory_utilization": 0.9,
@@ -51,7 +50,7 @@ PUBLISHED = [
         "name": "NeMo-RL FP8 linear + FP8 KV cache, Qwen3-8B-Base",
         "claim": "FP8 linear + FP8 KV cache/attention about 48% faster rollout than BF16, the KV cache adding "
                  "about 30% over FP8 linear alone (Qwen3-8B-Base, vLLM + Megatron, token-level TIS)",
-        "source": "NVIDIA-NeMo/RL PR #1212 (peers.md §4, §12.J; NVIDIA blog 'Run High-Throughput RL Training with "
+        "source": "NVIDIA-NeMo/RL PR #1212 (NVIDIA blog 'Run High-Throughput RL Training with "
                   "End-to-End FP8': ~48% with FP8 KV + attention)",
         "published_low": 1.48, "published_high": 1.48, "setup": "w8a8_fp8kv",
         "model": "Qwen/Qwen3-8B-Base", "tp": 1, "requested_seqs": 192, "max_num_seqs": 256,

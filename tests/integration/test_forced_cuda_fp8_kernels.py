@@ -1,8 +1,8 @@
 """vLLM's Cutlass FP8 linear kernels, chosen by vLLM's own selector in real engines on this CPU, through every sync.
 
 A GPU engine's ``fp8`` linears (per-channel E4M3 weights, dynamic per-token activations) run
-``CutlassFP8ScaledMMLinearKernel`` on Hopper and Blackwell (Marlin refuses capability >= 8.9 and FlashInfer takes
-per-tensor scales only, ``../shared/docs/gpu-path-audit.md`` Q2). Its ``fp8_block`` linears (128 x 128 weight blocks,
+``CutlassFP8ScaledMMLinearKernel`` on Hopper and Blackwell (vLLM 0.24's CUDA list: Marlin refuses capability >= 8.9 and
+FlashInfer takes per-tensor scales only). Its ``fp8_block`` linears (128 x 128 weight blocks,
 1 x 128 activation groups) run ``CutlassFp8BlockScaledMMKernel`` once the server's environment for ``fp8_block``
 (``VLLM_USE_DEEP_GEMM=0``, ``qurl_verl/rollout/cuda_kernel_env.py``) takes vLLM's two DeepGEMM block kernels out
 of the way. ``qurl_testkit.cuda_kernel_stand_ins`` lets vLLM's selector choose these two classes here (each put in
