@@ -10,6 +10,7 @@ import torch
 
 from qurl_testkit import cuda_kernel_stand_ins
 from qurl_testkit.reload_probe import Int8GemmProbeWorkerExtension, Level2SleepProbe
+from qurl_verl import versions
 from qurl_verl.rollout import int8_gemm_report
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 
@@ -173,6 +174,9 @@ def _act_dtype(layer) -> torch.dtype:
     return getattr(layer, "params_dtype", torch.bfloat16)
 
 
+# vLLM's CUDA-path Python is forced on the vLLM GPU users run (verl 0.9.1 declares 0.24): on another stack the same
+# classes would cost the suite engine starts again (the stand-ins' unit tests run on both)
+ON_GPU_USERS_VLLM = versions.vllm_release(versions.installed_vllm_version()) == (0, 24)
 FORCED_CUDA_INT8_EXTENSION = f"{__name__}.ForcedCudaInt8WorkerExtension"
 BLACKWELL = (10, 0)
 

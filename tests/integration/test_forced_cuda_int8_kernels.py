@@ -60,7 +60,7 @@ import pytest
 import torch
 from test_qurl_vllm_int8_gemms import INT8_LINEARS, check_against, recorded_calls
 
-from qurl_testkit.cuda_kernel_probe import moved_records, start_triton_int8_engine
+from qurl_testkit.cuda_kernel_probe import ON_GPU_USERS_VLLM, moved_records, start_triton_int8_engine
 from qurl_testkit.cuda_kernel_stand_ins import CUTLASS, TRITON
 from qurl_testkit.reload_harness import (
     TrainerWeights,
@@ -75,12 +75,8 @@ from qurl_testkit.reload_harness import (
     summary,
     sync_weights,
 )
-from qurl_verl import versions
 from qurl_verl.settings import RolloutSettings
 
-# vLLM's CUDA-path Python is checked on the vLLM GPU users run (verl 0.9.1 declares 0.24); the stand-ins' own
-# unit tests run on both stacks. Another stack would cost the suite an engine start for the same classes.
-ON_GPU_USERS_VLLM = versions.vllm_release(versions.installed_vllm_version()) == (0, 24)
 pytestmark = [pytest.mark.integration, pytest.mark.both_stacks, pytest.mark.usefixtures("engine_environment"),
               pytest.mark.skipif(not ON_GPU_USERS_VLLM, reason="vLLM's CUDA INT8 classes are forced on vLLM 0.24, GPU users' vLLM")]
 

@@ -22,12 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from qurl_testkit.cuda_kernel_probe import ON_GPU_USERS_VLLM
 from qurl_testkit.reload_harness import require_vllm
-from qurl_verl import versions
 
-# vLLM's CUDA-path Python is checked on the vLLM GPU users run (verl 0.9.1 declares 0.24); the stand-ins' own
-# unit tests run on both stacks. Another stack would cost the suite an engine start for the same classes.
-ON_GPU_USERS_VLLM = versions.vllm_release(versions.installed_vllm_version()) == (0, 24)
 pytestmark = [pytest.mark.integration, pytest.mark.both_stacks,
               pytest.mark.skipif(not ON_GPU_USERS_VLLM, reason="the GPU check's dry run runs on vLLM 0.24, GPU users' vLLM")]
 

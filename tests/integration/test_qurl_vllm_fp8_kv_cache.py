@@ -35,7 +35,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qurl_testkit.cuda_kernel_probe import moved_records, start_triton_int8_engine
+from qurl_testkit.cuda_kernel_probe import ON_GPU_USERS_VLLM, moved_records, start_triton_int8_engine
 from qurl_testkit.cuda_kernel_stand_ins import TRITON
 from qurl_testkit.reload_harness import (
     TrainerWeights,
@@ -50,7 +50,6 @@ from qurl_testkit.reload_harness import (
     summary,
     sync_weights,
 )
-from qurl_verl import versions
 from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
 from qurl_verl.quant.kv_cache import KVRangeObserver, kv_scales, parse_kv_scale_name
 from qurl_verl.settings import RolloutSettings
@@ -59,7 +58,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environme
 
 INT8_FP8_KV = RolloutSettings(format="int8", kv_cache="fp8", ignore=("o_proj",))
 LAYERS = 2
-ON_GPU_USERS_VLLM = versions.vllm_release(versions.installed_vllm_version()) == (0, 24)
 
 
 @pytest.fixture(scope="module")

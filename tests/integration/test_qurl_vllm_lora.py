@@ -34,7 +34,7 @@ import pytest
 import torch
 from test_qurl_vllm_int8_gemms import INT8_LINEARS
 
-from qurl_testkit.cuda_kernel_probe import moved_records, start_triton_int8_engine
+from qurl_testkit.cuda_kernel_probe import ON_GPU_USERS_VLLM, moved_records, start_triton_int8_engine
 from qurl_testkit.cuda_kernel_stand_ins import TRITON
 from qurl_testkit.reload_harness import (
     TrainerWeights,
@@ -59,7 +59,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("engine_environme
 INT8 = RolloutSettings(format="int8")
 RANK, ALPHA = 8, 16
 LINEARS = 14  # 7 projections x 2 layers, each quantized once and each carrying an adapter
-ON_GPU_USERS_VLLM = versions.vllm_release(versions.installed_vllm_version()) == (0, 24)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
