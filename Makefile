@@ -29,7 +29,7 @@ demo: venv
 # Two streams share the two cores. An engine test or a main_ppo run alone keeps them 55-65 % busy (its processes
 # import and start one at a time; measured with /proc/stat), so the 0.24 stack's tests (its venv built first,
 # beside the 0.32 unit tests) run beside the 0.32 stack's engines and runs, and its output is printed when it
-# ends (measured on a 2-core AVX-512 VNNI machine: the whole of `.ci/run` 2,083 s side by side, about 2,450 s
+# ends (measured on a 2-core AVX-512 VNNI machine: the whole of `.ci/run` 1,927-2,083 s side by side, about 2,450 s
 # estimated one stack after the other); it has a Ray temp folder of its own (RAY_TMPDIR), where a Ray started without an address looks for a
 # cluster to join (``ray_current_cluster``: the two-node run writes one). What waits on the network and the disk
 # runs beside as well: tests/install (pip resolving from the public index).
