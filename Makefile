@@ -44,7 +44,7 @@ test: lint
 	( if ! bash scripts/install_cpu_stack.sh 0.24 > $(REPORTS)/install-vllm024.log 2>&1; then \
 	    cat $(REPORTS)/install-vllm024.log; echo "[tests] vllm024: the install failed"; exit 1; fi; \
 	  while [ ! -e $(REPORTS)/vllm032.unit.done ]; do sleep 5; done; began=$$(date +%s); \
-	  export RAY_TMPDIR=$$(mktemp -d /tmp/ray-vllm024.XXXXXX); \
+	  export RAY_TMPDIR=$$(mktemp -d -t ray-vllm024.XXXXXX); \
 	  $(MAKE) --no-print-directory test-vllm024; rc=$$?; rm -rf "$$RAY_TMPDIR"; \
 	  $(PY) -m pytest -ra $(call TIMED,vllm032.beside) $(BESIDE_VLLM024) || rc=1; \
 	  echo "[tests] vllm024 stream (the 0.24 stack, then $(BESIDE_VLLM024)): $$(( $$(date +%s) - began )) s wall"; exit $$rc \
