@@ -167,6 +167,19 @@ def fp8_block_partitions(hf_config: dict, tensor_parallel: int) -> dict[str, tup
     return parts
 
 
+# a fused vLLM layer and the HF projection whose name ``custom.qurl.ignore`` matches for it (whole fused groups only)
+_FUSED_LAYER_HF_NAME = {"self_attn.qkv_proj": "self_attn.q_proj", "mlp.gate_up_proj": "mlp.gate_proj",
+                        "mlp.shared_expert.gate_up_proj": "mlp.shared_expert.gate_proj"}
+
+
+def fused_layer_quantized(layer: str, settings: RolloutSettings, hf_config: dict) -> bool:
+    """Whether the fused decoder layer ``layer`` (e.g. ``self_attn.qkv_proj``) is quantized in any of the model's
+    layers, i.e. not kept in full precision by ``custom.qurl.ignore``."""
+    hf_name = _FUSED_LAYER_HF_NAME.get(layer, layer)
+    layers = int(text_config(hf_config).get("num_hidden_layers") or 1)
+    return any(not is_ignored(f"model.layers.{i}.{hf_name}", settings.ignore_patterns) for i in range(layers))
+
+
 def check_fp8_block_shapes(settings: RolloutSettings, hf_config: dict | None, tensor_parallel: int) -> None:
     """Refuse ``quantization=fp8_block`` where a layer's rank shard is not whole 128 x 128 blocks: vLLM refuses
     it when the engine starts (``validate_fp8_block_shape``), after the models load; here it stops in the driver
@@ -174,19 +187,12 @@ def check_fp8_block_shapes(settings: RolloutSettings, hf_config: dict | None, te
     if settings.format is not RolloutFormat.FP8_BLOCK or not hf_config:
         return
     block = DEFAULT_BLOCK_SIZE
-    layers = int(text_config(hf_config).get("num_hidden_layers") or 1)
-    shards = {"self_attn.qkv_proj": "self_attn.q_proj", "mlp.gate_up_proj": "mlp.gate_proj",
-              "mlp.shared_expert.gate_up_proj": "mlp.shared_expert.gate_proj"}
-
-    def quantized(layer: str) -> bool:
-        hf_name = shards.get(layer, layer)
-        return any(not is_ignored(f"model.layers.{i}.{hf_name}", settings.ignore_patterns) for i in range(layers))
 
     def refusals(t: int) -> list[str]:
         found = []
         for layer, (inputs, outputs) in fp8_block_partitions(hf_config, t).items():
             bad = [n for n in outputs if n % block] + ([inputs] if inputs is not None and inputs % block else [])
-            if bad and quantized(layer):
+            if bad and fused_layer_quantized(layer, settings, hf_config):
                 found.append(f"{layer} ({', '.join(map(str, bad))} rows or columns per rank)")
         return found
 
@@ -234,12 +240,8 @@ def check_fp8_channel_shapes(settings: RolloutSettings, hf_config: dict | None, 
     CPUs run another kernel and are not checked."""
     if capability is None or settings.format is not RolloutFormat.FP8 or not hf_config:
         return
-    layers = int(text_config(hf_config).get("num_hidden_layers") or 1)
-    shards = {"self_attn.qkv_proj": "self_attn.q_proj", "mlp.gate_up_proj": "mlp.gate_proj",
-              "mlp.shared_expert.gate_up_proj": "mlp.shared_expert.gate_proj"}
     found = [f"{layer} ({n} columns per rank)" for layer, n in fp8_channel_output_widths(hf_config, tensor_parallel).items()
-             if n % CUTLASS_FP8_ALIGNMENT and any(not is_ignored(f"model.layers.{i}.{shards.get(layer, layer)}",
-                                                                 settings.ignore_patterns) for i in range(layers))]
+             if n % CUTLASS_FP8_ALIGNMENT and fused_layer_quantized(layer, settings, hf_config)]
     if found:
         raise QurlConfigError(
             f"{QUANTIZATION_KEY}=fp8 at rollout tensor_model_parallel_size={tensor_parallel}: vLLM's Cutlass FP8 kernel "
