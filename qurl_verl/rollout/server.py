@@ -6,7 +6,8 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
 * ``_apply_quantization``: the compressed-tensors ``quantization_config`` for int8 / fp8 /
   fp8_block, nothing for bf16. With verl's default ``load_format=dummy`` the engine starts on
   random weights; the first weight sync, before any rollout, brings in the trainer's. It runs in
-  the server process before the engine exists, on the server's GPU: FP8 is refused below 8.9,
+  the server process before the engine exists, on the server's GPU: vLLM's V1 model runner is pinned
+  (``model_runner``), FP8 is refused below 8.9,
   INT8 on Blackwell gets vLLM's Triton kernel and ``fp8_block`` the Cutlass block kernel, which keeps the
   streamed codes (``cuda_kernel_env``), through the environment the engine's processes inherit. Quantized MoE experts are checked against this
   server's own vLLM and platform (``engine_checks.check_quantized_experts``), as in the driver.
@@ -49,15 +50,26 @@ from qurl_verl.rollout.engine_checks import (
     check_quantized_experts,
     check_vllm_version,
 )
+from qurl_verl.rollout.model_runner import USE_V2_MODEL_RUNNER_ENV, model_runner_env, user_chose_v2
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings
 
 logger = logging.getLogger("qurl_verl")
 
 
-def set_kernel_env(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:
-    """Steer vLLM off the kernels that this GPU cannot run, or that would not run the streamed codes, before the
-    engine (and its workers) start (``cuda_kernel_env``)."""
+def set_engine_env(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:
+    """The engine's environment, set before the engine (and its workers) start: vLLM's V1 model runner
+    (``model_runner``), and on a GPU the kernels this GPU can run that keep the streamed codes (``cuda_kernel_env``).
+    The rollout server and the GPU check call it alike."""
+    runner = model_runner_env(os.environ)
+    if runner:
+        logger.warning("qurl_vllm: %s=%s, vLLM's V1 model runner (the qurl sync has not run under Model Runner V2)",
+                       USE_V2_MODEL_RUNNER_ENV, runner[USE_V2_MODEL_RUNNER_ENV])
+        os.environ.update(runner)
+    elif user_chose_v2(os.environ):
+        logger.warning("qurl_vllm: %s=%s is set: vLLM's Model Runner V2, on which the qurl sync (in-place reload, "
+                       "graphs replayed over the new codes, level-2 sleep) has not run; unset it for the V1 runner",
+                       USE_V2_MODEL_RUNNER_ENV, os.environ[USE_V2_MODEL_RUNNER_ENV])
     env = kernel_env(settings.format, nvidia_capability(capability), os.environ)
     if env:
         logger.warning("qurl_vllm: %s on compute capability %d.%d, for vLLM's kernel choice: %s",
@@ -84,7 +96,7 @@ class QurlvLLMHttpServer(vLLMHttpServer):
         tensor_parallel = int(self.config.tensor_model_parallel_size or 1)
         check_fp8_block_shapes(settings, hf_config.to_dict(), tensor_parallel)
         check_fp8_channel_shapes(settings, hf_config.to_dict(), tensor_parallel, host.cuda_capability)
-        set_kernel_env(settings, host.cuda_capability)
+        set_engine_env(settings, host.cuda_capability)
         return settings.engine_quantization()
 
     def _preprocess_engine_kwargs(self, engine_kwargs: dict) -> None:

@@ -223,15 +223,15 @@ class TestForcedCutlassFp8:
 
 class TestForcedCutlassFp8Block:
     """One bf16 ``fp8_block`` engine with vLLM's Cutlass block FP8 class, started under the server's environment for
-    an ``fp8_block`` engine on a Hopper GPU (``server.set_kernel_env``), for the tests of this class."""
+    an ``fp8_block`` engine on a Hopper GPU (``server.set_engine_env``), for the tests of this class."""
 
     @pytest.fixture(scope="class")
     def block_engine(self, block_fp8_model_dir, engine_environment):
         require_vllm()
-        from qurl_verl.rollout.server import set_kernel_env
+        from qurl_verl.rollout.server import set_engine_env
 
         engine_environment.delenv(USE_DEEP_GEMM_ENV, raising=False)  # undone (restored) with the module's environment
-        set_kernel_env(FP8_BLOCK, HOPPER)
+        set_engine_env(FP8_BLOCK, HOPPER)
         try:
             assert os.environ[USE_DEEP_GEMM_ENV] == "0", os.environ[USE_DEEP_GEMM_ENV]
             start = time.monotonic()
