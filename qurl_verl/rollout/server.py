@@ -30,7 +30,6 @@ hard-codes ``"vllm_"``, which would make ``ray.get_actor("qurl_vllm_server_0_0")
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import ray
@@ -40,6 +39,7 @@ from qurl_verl.model_info import moe_experts
 from qurl_verl.patches import qurl_vllm_server as qurl_vllm_server_patches
 from qurl_verl.platform.host import Host
 from qurl_verl.rollout import features as sync_features
+from qurl_verl.rollout.console_log import engine_logger
 from qurl_verl.rollout.cuda_kernel_env import kernel_env, nvidia_capability
 from qurl_verl.rollout.engine_checks import (
     check_architecture,
@@ -54,7 +54,7 @@ from qurl_verl.rollout.model_runner import USE_V2_MODEL_RUNNER_ENV, model_runner
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings
 
-logger = logging.getLogger("qurl_verl")
+logger = engine_logger()  # shown in the server process, whose root logger vLLM sets to ERROR (console_log)
 
 
 def set_engine_env(settings: RolloutSettings, capability: tuple[int, int] | None) -> None:

@@ -1,34 +1,23 @@
 """One console line per weight sync, shown by default.
 
-verl sets the root logger to WARNING (``verl/__init__.py``), which hides INFO records of every logger that
-propagates to it. The summary goes to a child logger of its own, ``qurl_verl.sync``, given its own stderr
-handler at INFO and ``propagate=False``: the root logger, verl's logging and the rest of ``qurl_verl``
-(whose INFO records stay hidden) are left as they are. Silence it with
+The summary goes to ``qurl_verl.sync``, a logger with a console handler of its own (``console_log``: verl sets the
+root logger to WARNING, which would hide INFO records). Silence it with
 ``logging.getLogger("qurl_verl.sync").setLevel(logging.WARNING)``; the full report stays at DEBUG on
 ``qurl_verl``.
 """
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Mapping
 
+from qurl_verl.rollout.console_log import console_logger
+
 SYNC_LOGGER_NAME = "qurl_verl.sync"
-_HANDLER_NAME = "qurl_verl.sync.console"
 
 
 def sync_logger() -> logging.Logger:
     """``qurl_verl.sync`` with its console handler, set up on the first call only (a level the user set is kept)."""
-    logger = logging.getLogger(SYNC_LOGGER_NAME)
-    if not any(h.get_name() == _HANDLER_NAME for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.set_name(_HANDLER_NAME)
-        handler.setFormatter(logging.Formatter("[qurl] %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.INFO)
-    return logger
+    return console_logger(SYNC_LOGGER_NAME, logging.INFO)
 
 
 def _size(num_bytes: float) -> str:

@@ -66,6 +66,9 @@ def int8_acr_uaq_run(r: RunResult) -> None:
     """The README's demo: `+qurl=int8` (INT8 W8A8 rollout re-quantized every step, ACR loss, UAQ)."""
     assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in r.log
     assert "skips verl's validate_config" not in r.log  # main_ppo's hook prepared it: the runtime-env wrapper did nothing
+    # the rollout server pinned vLLM's V1 model runner before its engine started, and the line reached the console
+    # past vLLM's root logger at ERROR (``console_log``)
+    assert "[qurl] qurl_vllm: VLLM_USE_V2_MODEL_RUNNER=0, vLLM's V1 model runner" in r.log
     qurl_int8_trained(r)
     acr_truncates(r)
     # verl logs what update_actor returns under actor/; from the second sync on (step 1's loss sees only the
