@@ -42,6 +42,7 @@ from qurl_verl.rollout.engine_checks import (
     check_fp8_block_shapes,
     check_fp8_channel_shapes,
     check_fp8_hardware,
+    check_gpu_rollout_dtype,
     check_int8_hardware,
     check_quantized_experts,
     check_vllm_version,
@@ -55,6 +56,7 @@ from qurl_verl.settings import (
     PRESET_KEY,
     QUANTIZATION_KEY,
     ROLLOUT_CUSTOM_KEY,
+    ROLLOUT_DTYPE_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
     ROLLOUT_PARALLEL_KEYS,
@@ -265,6 +267,9 @@ CHECKS = (
           lambda r: check_fp8_hardware(r.rollout, r.host.cuda_capability), f"Use {QUANTIZATION_KEY}=int8"),
     Check("INT8 runs W8A8 on this GPU", _qurl_vllm,  # the servers check again on their GPUs
           lambda r: check_int8_hardware(r.rollout, r.host.cuda_capability), "bf16 preset"),
+    Check("a quantized rollout on a GPU runs in bf16 or fp16 (vLLM's Cutlass W8A8 GEMMs)", _qurl_vllm,  # servers again
+          lambda r: check_gpu_rollout_dtype(r.rollout, select(r.cfg, ROLLOUT_DTYPE_KEY, "bfloat16"), r.host.cuda_capability),
+          f"Set {ROLLOUT_DTYPE_KEY}=bfloat16"),
     Check("fp8_block: every rank's part of a layer is whole 128 x 128 blocks", _qurl_vllm,  # the servers check again
           lambda r: check_fp8_block_shapes(r.rollout, r.model.config, int(select(r.cfg, ROLLOUT_PARALLEL_KEYS[0], 1) or 1)),
           "tensor_model_parallel_size="),

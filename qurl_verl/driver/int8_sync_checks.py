@@ -19,6 +19,7 @@ from qurl_verl.settings.keys import (
     INT8_SYNC_BACKEND,
     QUANTIZATION_KEY,
     ROLLOUT_CUSTOM_KEY,
+    ROLLOUT_DTYPE_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
     override_text,
@@ -28,7 +29,6 @@ from qurl_verl.settings.keys import (
 MODULE_KEY = f"{CHECKPOINT_ENGINE_NODE}.custom_backend_module"
 KWARGS_KEY = f"{CHECKPOINT_ENGINE_NODE}.engine_kwargs.{INT8_SYNC_BACKEND}"
 ENGINE = f"{CHECKPOINT_ENGINE_KEY}={INT8_SYNC_BACKEND}"
-ROLLOUT_DTYPE_KEY = "actor_rollout_ref.rollout.dtype"
 
 
 def selects_int8_sync(cfg: Any) -> bool:

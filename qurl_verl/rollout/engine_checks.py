@@ -14,6 +14,7 @@ from qurl_verl.quant.formats import DEFAULT_BLOCK_SIZE
 from qurl_verl.settings import (
     QUANTIZATION_KEY,
     ROLLOUT_CUSTOM_KEY,
+    ROLLOUT_DTYPE_KEY,
     ROLLOUT_KEY,
     ROLLOUT_NAME,
     ROLLOUT_NAME_KEY,
@@ -115,6 +116,25 @@ def check_int8_hardware(settings: RolloutSettings, capability: tuple[int, int] |
             f"{QUANTIZATION_KEY}=int8 needs INT8 tensor cores (compute capability >= 7.5: T4, A100, L40S, H100); this "
             f"GPU has {capability[0]}.{capability[1]}, where vLLM's W8A8 INT8 scheme does not run. Use a newer GPU, or "
             "the bf16 preset (no quantization)."
+        )
+
+
+# vLLM's Cutlass W8A8 GEMMs (its CUDA choice for INT8 below Blackwell, FP8 and Hopper's block FP8) write bf16 or fp16
+# only: ``_custom_ops.cutlass_scaled_mm`` asserts it, so a float32 engine fails at its first forward (start-up profiling)
+CUDA_W8A8_OUTPUT_DTYPES = ("bfloat16", "float16")
+
+
+def check_gpu_rollout_dtype(settings: RolloutSettings, dtype: object, capability: tuple[int, int] | None) -> None:
+    """Refuse a quantized rollout in float32 on a CUDA GPU (``capability`` not None): vLLM's W8A8 GEMMs there
+    write bf16 or fp16 only. CPUs (vLLM-CPU's kernels take float32) are not checked."""
+    if capability is None or not settings.quantized:
+        return
+    name = str(dtype or "bfloat16").removeprefix("torch.")
+    if name in ("float32", "float", "fp32"):
+        raise QurlConfigError(
+            f"{ROLLOUT_DTYPE_KEY}={dtype} with {QUANTIZATION_KEY}={settings.format.value} on a GPU: vLLM's W8A8 CUDA GEMMs "
+            "(Cutlass) write bf16 or fp16 only and stop the engine at its first forward. Set "
+            f"{ROLLOUT_DTYPE_KEY}=bfloat16 (verl's default), or use the bf16 preset for a float32 rollout"
         )
 
 

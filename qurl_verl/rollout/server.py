@@ -46,6 +46,7 @@ from qurl_verl.rollout.engine_checks import (
     check_fp8_block_shapes,
     check_fp8_channel_shapes,
     check_fp8_hardware,
+    check_gpu_rollout_dtype,
     check_int8_hardware,
     check_quantized_experts,
     check_vllm_version,
@@ -93,6 +94,7 @@ class QurlvLLMHttpServer(vLLMHttpServer):
                                     cuda_graphs=not self.config.enforce_eager)
         check_fp8_hardware(settings, host.cuda_capability)
         check_int8_hardware(settings, host.cuda_capability)
+        check_gpu_rollout_dtype(settings, self.config.dtype, host.cuda_capability)
         tensor_parallel = int(self.config.tensor_model_parallel_size or 1)
         check_fp8_block_shapes(settings, hf_config.to_dict(), tensor_parallel)
         check_fp8_channel_shapes(settings, hf_config.to_dict(), tensor_parallel, host.cuda_capability)

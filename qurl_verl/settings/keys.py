@@ -11,6 +11,7 @@ UAQ_KEY = "qurl.uaq"
 ROLLOUT_KEY = "actor_rollout_ref.rollout"
 ROLLOUT_NAME_KEY = f"{ROLLOUT_KEY}.name"
 QUANTIZATION_KEY = f"{ROLLOUT_KEY}.quantization"
+ROLLOUT_DTYPE_KEY = f"{ROLLOUT_KEY}.dtype"  # the engine's activations and full-precision weights (bfloat16 by default)
 ROLLOUT_CUSTOM_KEY = f"{ROLLOUT_KEY}.custom.qurl"
 POLICY_LOSS_KEY = "actor_rollout_ref.actor.policy_loss"
 LOSS_MODE_KEY = f"{POLICY_LOSS_KEY}.loss_mode"

@@ -146,7 +146,8 @@ def fake_server(quantization, hf_config=None, custom=None):
     from transformers import Qwen2Config
 
     return SimpleNamespace(
-        config=SimpleNamespace(quantization=quantization, custom=custom, tensor_model_parallel_size=1, enforce_eager=False),
+        config=SimpleNamespace(quantization=quantization, custom=custom, tensor_model_parallel_size=1, enforce_eager=False,
+                         dtype="bfloat16"),
         model_config=SimpleNamespace(hf_config=hf_config or Qwen2Config(architectures=["Qwen2ForCausalLM"]), path="/models/x"),
     )
 

@@ -78,7 +78,8 @@ def qurl_server(architecture: str, quantization: str = "int8"):
 
     hf = {"Qwen3ForCausalLM": Qwen3Config, "LlamaForCausalLM": LlamaConfig, "Qwen2ForCausalLM": Qwen2Config}[architecture]
     return SimpleNamespace(
-        config=SimpleNamespace(quantization=quantization, custom=None, tensor_model_parallel_size=1, enforce_eager=False),
+        config=SimpleNamespace(quantization=quantization, custom=None, tensor_model_parallel_size=1, enforce_eager=False,
+                         dtype="bfloat16"),
         model_config=SimpleNamespace(hf_config=hf(architectures=[architecture]), path="/models/x"),
     )
 

@@ -55,7 +55,8 @@ def fake_server(quantization, architectures=("Qwen2ForCausalLM",)):
     from transformers import PretrainedConfig
 
     return SimpleNamespace(
-        config=SimpleNamespace(quantization=quantization, custom=None, tensor_model_parallel_size=1, enforce_eager=False),
+        config=SimpleNamespace(quantization=quantization, custom=None, tensor_model_parallel_size=1, enforce_eager=False,
+                         dtype="bfloat16"),
         model_config=SimpleNamespace(hf_config=PretrainedConfig(architectures=list(architectures)), path="/models/x"),
     )
 
