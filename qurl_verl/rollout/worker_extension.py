@@ -27,8 +27,9 @@ per process, ``after_reload`` after every reload (tied lm_head refresh, MoE expe
 
 vLLM copies the processed tensors into the storage the engine already uses, so CUDA graphs and
 compiled code keep valid pointers. Between initialize and finalize the model is half on ``meta``:
-an exception there leaves the engine unusable, so it is fatal. The engine is poisoned (its next
-forward raises) and every later sync refuses to run, instead of generating from a broken model.
+an exception there leaves the engine unusable, so it is fatal. The engine is poisoned (its model runner's
+next step and its model's forward raise, replayed CUDA graphs included) and every later sync refuses to run,
+instead of generating from a broken model.
 """
 from __future__ import annotations
 
@@ -184,10 +185,14 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         logger.error("qurl_vllm: weight sync failed mid-reload (%s); poisoning the engine (pid %d)", reason, os.getpid())
         self._qurl_broken = reason
 
-        def refuse(*_):
+        def refuse(*_, **__):
             raise WeightReloadError(f"the rollout model was left half-reloaded by a failed weight sync ({reason})")
 
         model.register_forward_pre_hook(refuse)
+        # a replayed CUDA graph (vLLM's CUDAGraphWrapper, Model Runner V2's own graphs) never calls the model's
+        # forward, so the hook alone would let a step decode on the broken weights: the model runner's step, Python
+        # on every runner and platform, refuses first (an instance attribute, looked up at each step)
+        self.model_runner.execute_model = refuse
 
 
 def _receive(receiver, load_bucket: Callable) -> None:
