@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib.util
+import os
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -224,6 +225,7 @@ def check_cuda(preset: str, host: Any, devices: int, rollout: Callable[[str], di
     """The GPUs against the preset's rollout format: the rollout's own hardware rules and kernel environment."""
     from qurl_verl.rollout.cuda_kernel_env import kernel_env, nvidia_capability
     from qurl_verl.rollout.engine_checks import check_fp8_hardware, check_int8_hardware
+    from qurl_verl.rollout.model_runner import USE_V2_MODEL_RUNNER_ENV, model_runner_env, user_chose_v2
     from qurl_verl.settings import PLATFORM_ENV, QurlConfigError, RolloutFormat, RolloutSettings
 
     name = "CUDA"
@@ -247,9 +249,12 @@ def check_cuda(preset: str, host: Any, devices: int, rollout: Callable[[str], di
         check_int8_hardware(settings, capability)
     except QurlConfigError as e:
         return fail(name, f"{found}: {e}")
-    env = kernel_env(fmt, capability, {})
-    note = f"; the rollout server sets {env} for vLLM's kernel choice" if env else ""
-    return ok(name, f"{found}: {preset} runs {fmt.value} here{note}")
+    if user_chose_v2(os.environ):
+        return warn(name, f"{found}: {USE_V2_MODEL_RUNNER_ENV}={os.environ[USE_V2_MODEL_RUNNER_ENV]} is set: vLLM's Model "
+                          "Runner V2, on which the qurl sync has not run; unset it (the rollout server then pins V1)")
+    env = {**model_runner_env(os.environ), **kernel_env(fmt, capability, {})}
+    return ok(name, f"{found}: {preset} runs {fmt.value} here; the rollout server sets {env} for vLLM's model runner "
+                    "and kernel choice")
 
 
 # ------------------------------------------------------------------------------------------- running

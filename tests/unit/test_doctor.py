@@ -125,6 +125,15 @@ def test_the_gpu_against_the_preset(preset, capability, status, words):
     assert "8 GPU(s)" in result.detail
 
 
+def test_the_model_runner_the_server_pins_or_the_users_mrv2(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    result = doctor.check_cuda("int8", gpu(H100), devices=1)
+    assert result.status is Status.OK and "'VLLM_USE_V2_MODEL_RUNNER': '0'" in result.detail, result
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    result = doctor.check_cuda("int8", gpu(H100), devices=1)
+    assert result.status is Status.WARN and "Model Runner V2" in result.detail and "unset it" in result.detail, result
+
+
 def test_no_cuda_names_the_cpu_platform():
     result = doctor.check_cuda("int8", Host(), devices=0)
     assert result.status is Status.WARN and "export VERL_PLATFORM=cpu" in result.detail
