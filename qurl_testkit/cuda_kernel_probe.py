@@ -158,8 +158,9 @@ class ForcedCudaFp8WorkerExtension(TensorRecordsProbe, QurlWorkerExtension):
         torch.save(held, buffer)
         return buffer.getvalue()
 
-    def probe_cutlass_calls(self) -> dict[str, int]:
-        """The stand-in Cutlass op's calls in this worker so far, by scaling and code dtype."""
+    def probe_stand_in_calls(self) -> dict[str, int]:
+        """The stand-in ops' calls in this worker so far (the Cutlass op's by scaling and code dtype, the Triton
+        block FP8 launch's)."""
         return dict(cuda_kernel_stand_ins.CALLS)
 
     def probe_use_deep_gemm(self) -> bool:
@@ -167,6 +168,16 @@ class ForcedCudaFp8WorkerExtension(TensorRecordsProbe, QurlWorkerExtension):
         import vllm.envs as envs
 
         return bool(envs.VLLM_USE_DEEP_GEMM)
+
+
+class ForcedTritonFp8BlockWorkerExtension(ForcedCudaFp8WorkerExtension):
+    """The production extension on a CPU where vLLM's selector may choose Triton's block FP8 class as on an Ada GPU
+    (Cutlass's block class ahead of it declines: no Cutlass block FP8 below sm90)."""
+
+    @classmethod
+    def _install_cpu_patches(cls) -> None:
+        super(ForcedCudaFp8WorkerExtension, cls)._install_cpu_patches()  # not the Cutlass FP8 choice
+        cuda_kernel_stand_ins.install_fp8_triton_block()
 
 
 def _act_dtype(layer) -> torch.dtype:

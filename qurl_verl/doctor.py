@@ -222,11 +222,13 @@ def check_flash_attn(host: Any) -> CheckResult:
 
 
 def check_cuda(preset: str, host: Any, devices: int, rollout: Callable[[str], dict[str, Any]] = preset_rollout) -> CheckResult:
-    """The GPUs against the preset's rollout format: the rollout's own hardware rules and kernel environment."""
+    """The GPUs against the preset's rollout format and KV cache: the rollout's own hardware rules and kernel
+    environment."""
     from qurl_verl.rollout.cuda_kernel_env import kernel_env, nvidia_capability
     from qurl_verl.rollout.engine_checks import check_fp8_hardware, check_int8_hardware
+    from qurl_verl.rollout.features.kv_cache_scales import check_fp8_kv_gpu
     from qurl_verl.rollout.model_runner import USE_V2_MODEL_RUNNER_ENV, model_runner_env, user_chose_v2
-    from qurl_verl.settings import PLATFORM_ENV, QurlConfigError, RolloutFormat, RolloutSettings
+    from qurl_verl.settings import PLATFORM_ENV, ROLLOUT_CUSTOM_KEY, QurlConfigError, RolloutFormat, RolloutSettings
 
     name = "CUDA"
     if not host.cuda_available:
@@ -243,10 +245,13 @@ def check_cuda(preset: str, host: Any, devices: int, rollout: Callable[[str], di
     if preset not in presets():
         return warn(name, f"{found}; preset '{preset}' unknown, its format not checked")
     try:
-        fmt = RolloutFormat(str(rollout(preset).get("quantization", "bf16")).lower())
+        node = rollout(preset)
+        fmt = RolloutFormat(str(node.get("quantization", "bf16")).lower())
         settings = RolloutSettings(format=fmt)
         check_fp8_hardware(settings, capability)
         check_int8_hardware(settings, capability)
+        if str(((node.get("custom") or {}).get("qurl") or {}).get("kv_cache", "auto")).lower() == "fp8":
+            check_fp8_kv_gpu(f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8", capability)
     except QurlConfigError as e:
         return fail(name, f"{found}: {e}")
     if user_chose_v2(os.environ):

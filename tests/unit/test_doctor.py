@@ -115,6 +115,8 @@ def test_flash_attn_that_does_not_import_fails(monkeypatch):
     ("int8", V100, Status.FAIL, "compute capability >= 7.5"),
     ("fp8", A100, Status.FAIL, "quantization=int8"),
     ("fp8_fp8kv", A100, Status.FAIL, "quantization=int8"),  # the format comes through the preset's defaults
+    ("int8_fp8kv", A100, Status.FAIL, "+qurl=int8 instead"),  # vLLM's Triton attention: no FP8 cache below 8.9
+    ("int8_fp8kv", H100, Status.OK, "runs int8"),
     ("tis_fp8", H100, Status.OK, "runs fp8"),
     ("bf16", V100, Status.OK, "runs bf16"),
     ("int8", B200, Status.OK, "VLLM_DISABLED_KERNELS"),  # the server's Blackwell kernel choice, reported

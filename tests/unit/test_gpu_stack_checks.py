@@ -284,6 +284,79 @@ def test_server_passes_the_attention_backend_vllm_parses(server_module, monkeypa
     assert attention.AttentionConfig.validate_backend_before(kwargs["attention_backend"]) is AttentionBackendEnum.TRITON_ATTN
 
 
+# the GPU generations the FP8 KV cache is checked at: T4, A100, A10 (vLLM's Triton attention refuses an FP8 cache
+# below 8.9), L40S, H100, B200, RTX PRO 6000
+FP8_KV_CAPABILITIES = [((7, 5), True), ((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False), ((10, 0), False),
+                       ((12, 0), False)]
+FP8_KV_BELOW_SM89 = (r"kv_cache=fp8 on compute capability \d+\.\d: vLLM's attention runs an FP8 KV cache from 8\.9 on .*"
+                     r"Use int8 without the FP8 cache: \+qurl=int8 instead of \+qurl=int8_fp8kv, or remove "
+                     r"actor_rollout_ref\.rollout\.custom\.qurl\.kv_cache")
+
+
+@pytest.fixture(scope="module")
+def gpu_runs():
+    """{preset: its composed GPU run}, composed once; each test checks a copy."""
+    return {preset: compose_ppo_config([*QURL_GPU_RUN, f"+qurl={preset}"]) for preset in ("int8_fp8kv", "int8")}
+
+
+@pytest.mark.parametrize("capability, refused", FP8_KV_CAPABILITIES)
+def test_driver_refuses_an_fp8_kv_cache_below_sm89(gpu_runs, capability, refused):
+    """``+qurl=int8_fp8kv`` on a driver that sees the GPU: refused, naming the preset without the FP8 cache, where
+    vLLM's Triton attention (the backend the server gives an FP8 cache off Hopper) raises at engine start."""
+    from omegaconf import OmegaConf
+
+    gpu = dataclasses.replace(host(cuda=True, flash_attn=True), cuda_capability=capability)
+    fp8_kv, without_cache = (OmegaConf.create(OmegaConf.to_container(gpu_runs[p])) for p in ("int8_fp8kv", "int8"))
+    if refused:
+        with pytest.raises(QurlConfigError, match=FP8_KV_BELOW_SM89):
+            driver.check_config(fp8_kv, host=gpu)
+        assert driver.check_config(without_cache, host=gpu).rollout.kv_cache.value == "auto"  # the fix it names
+    else:
+        assert driver.check_config(fp8_kv, host=gpu).rollout.kv_cache.value == "fp8"
+
+
+@pytest.mark.parametrize("capability, refused", FP8_KV_CAPABILITIES)
+def test_server_refuses_an_fp8_kv_cache_below_sm89(server_module, monkeypatch, capability, refused):
+    """The server checks its own GPU before the engine's arguments are set (a driver on a GPU-less head node cannot
+    see it); from 8.9 on it passes the FP8 cache, with vLLM's Triton attention off Hopper. vLLM's platform answers
+    as a GPU's: not a CPU."""
+    from vllm.platforms import current_platform
+
+    force_server_host(monkeypatch, server_module, cuda_capability=capability, avx512=True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(server_module.vLLMHttpServer, "_preprocess_engine_kwargs", lambda self, kwargs: None)
+    from transformers import Qwen2Config
+
+    fake = fake_server("int8", Qwen2Config(architectures=["Qwen2ForCausalLM"], hidden_size=256, num_attention_heads=4),
+                       custom={"qurl": {"kv_cache": "fp8"}})
+    server = server_module.QurlvLLMHttpServer.__new__(server_module.QurlvLLMHttpServer)  # no actor, no engine
+    server.config, server.model_config = fake.config, fake.model_config
+    kwargs = {}
+    if refused:
+        with pytest.raises(QurlConfigError, match=FP8_KV_BELOW_SM89):
+            server._preprocess_engine_kwargs(kwargs)
+        assert "kv_cache_dtype" not in kwargs
+    else:
+        server._preprocess_engine_kwargs(kwargs)
+        assert kwargs["kv_cache_dtype"] == "fp8_e4m3"
+        assert kwargs.get("attention_backend") == (None if capability[0] == 9 else "TRITON_ATTN")
+
+
+def test_an_amd_gpus_capability_is_not_read_as_nvidias(monkeypatch):
+    """ROCm reports its own architecture numbers through the same torch call: the 8.9 floor is NVIDIA's."""
+    from qurl_verl.rollout.features.kv_cache_scales import check_fp8_kv_cache
+    from qurl_verl.settings import RolloutSettings
+
+    fp8_kv = RolloutSettings(format="int8", kv_cache="fp8")
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    check_fp8_kv_cache(fp8_kv, on_cpu=False, avx512=False, amx=False, head_dim=128, uses_mla=False, cuda_capability=(8, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(QurlConfigError, match=FP8_KV_BELOW_SM89):
+        check_fp8_kv_cache(fp8_kv, on_cpu=False, avx512=False, amx=False, head_dim=128, uses_mla=False,
+                           cuda_capability=(8, 0))
+
+
 # ---------------------------------------------------------------------------------- Megatron
 MEGATRON_RUN = [o for o in QURL_GPU_RUN if "fsdp_config" not in o]  # the GRPO example's FSDP keys
 

@@ -3,7 +3,8 @@ a bf16 cache's scales back to vLLM's defaults after every reload.
 
 * driver: the KV-cache format has one home (``custom.qurl.kv_cache``, never vLLM's ``kv_cache_dtype`` in
   ``engine_kwargs``), the scales need the colocated sync (they are computed in the actor's process), and
-  the engine must have an FP8 cache for the model and CPU (the servers check again on their hosts);
+  the engine must have an FP8 cache for the model, GPU (compute capability 8.9 or later) and CPU (the servers
+  check again on their hosts);
 * server: vLLM's ``kv_cache_dtype``; off Hopper, vLLM's Triton attention, which reads the device scales
   each sync rewrites in place (FlashInfer folds host copies into kernel arguments that CUDA graphs keep);
 * trainer: appends the per-layer q/k/v scales (``qurl_verl.quant.kv_cache``) from the ranges the actor's
@@ -51,6 +52,7 @@ ATTENTION_BACKEND_KEY = "attention_backend"  # vLLM's engine argument (engine/ar
 DEVICE_SCALE_ATTENTION = "TRITON_ATTN"
 HOST_SCALE_ATTENTION = ("FLASHINFER",)  # backends that read the K/V scales as host floats
 FP8_KV_NATIVE_MAJOR = 9  # FA3 takes an FP8 cache on the SM90 family only
+FP8_KV_MIN_CAPABILITY = (8, 9)  # vLLM's Triton attention (v1/attention/backends/triton_attn.py) refuses FP8 below
 
 
 # ---------------------------------------------------------------------------------------- driver
@@ -89,8 +91,9 @@ def check_kv_cache_setting(cfg: Any, rollout: RolloutSettings) -> None:
 
 
 def check_fp8_kv_cache(settings: RolloutSettings, *, on_cpu: bool, avx512: bool, amx: bool,
-                       head_dim: int | None, uses_mla: bool) -> None:
-    """Refuse ``custom.qurl.kv_cache=fp8`` for a model or CPU the engine's FP8 KV cache cannot serve."""
+                       head_dim: int | None, uses_mla: bool, cuda_capability: tuple[int, int] | None = None) -> None:
+    """Refuse ``custom.qurl.kv_cache=fp8`` for a model, GPU (``cuda_capability``; None: none seen) or CPU the
+    engine's FP8 KV cache cannot serve."""
     if settings.kv_cache is not KVCacheFormat.FP8:
         return
     key = f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8"
@@ -100,6 +103,7 @@ def check_fp8_kv_cache(settings: RolloutSettings, *, on_cpu: bool, avx512: bool,
             f"scales of its own, not per-layer K and V; {FP8_KV_FIX}"
         )
     if not on_cpu:
+        check_fp8_kv_gpu(key, cuda_capability)
         return
     if not (avx512 or amx):
         raise QurlConfigError(
@@ -110,6 +114,23 @@ def check_fp8_kv_cache(settings: RolloutSettings, *, on_cpu: bool, avx512: bool,
         raise QurlConfigError(
             f"{key}: vLLM-CPU's FP8 KV cache needs a head size divisible by {FP8_KV_CPU_HEAD_DIM_MULTIPLE}; this model's "
             f"is {head_dim}; {FP8_KV_FIX}"
+        )
+
+
+def check_fp8_kv_gpu(key: str, cuda_capability: tuple[int, int] | None) -> None:
+    """Below compute capability 8.9 (T4, A100, A10) an FP8 KV cache has no attention that runs it and reads the
+    scales each sync writes: off Hopper the server gives the engine vLLM's Triton attention, which raises for an
+    FP8 cache there at engine start (``TritonAttentionImpl``: native FP8 needs SM89+), and FlashInfer would keep
+    the start-up scales in its kernel arguments."""
+    from qurl_verl.rollout.cuda_kernel_env import nvidia_capability
+
+    capability = nvidia_capability(cuda_capability)
+    if capability is not None and tuple(capability) < FP8_KV_MIN_CAPABILITY:
+        raise QurlConfigError(
+            f"{key} on compute capability {capability[0]}.{capability[1]}: vLLM's attention runs an FP8 KV cache from "
+            f"{FP8_KV_MIN_CAPABILITY[0]}.{FP8_KV_MIN_CAPABILITY[1]} on (L40S, H100, B200; its Triton attention raises "
+            f"below at engine start). Use int8 without the FP8 cache: +qurl=int8 instead of +qurl=int8_fp8kv, or "
+            f"{FP8_KV_FIX}"
         )
 
 
@@ -237,9 +258,10 @@ class KVCacheScales(SyncFeature):
     checks = (
         Check("the KV-cache format has one home, and FP8 KV scales a way to the engine", lambda r: r.rollout is not None,
               lambda r: check_kv_cache_setting(r.cfg, r.rollout), f"set {ROLLOUT_CUSTOM_KEY}.kv_cache=fp8"),
-        Check("the engine has an FP8 KV cache for this model and CPU", lambda r: r.rollout is not None,  # servers: again
+        Check("the engine has an FP8 KV cache for this model, GPU and CPU", lambda r: r.rollout is not None,  # servers: again
               lambda r: check_fp8_kv_cache(r.rollout, on_cpu=r.on_cpu, avx512=r.host.avx512, amx=r.host.amx,
-                                           head_dim=r.model.head_dim, uses_mla=r.model.uses_mla),
+                                           head_dim=r.model.head_dim, uses_mla=r.model.uses_mla,
+                                           cuda_capability=r.host.cuda_capability),
               f"remove {ROLLOUT_CUSTOM_KEY}.kv_cache"),
     )
 
@@ -268,7 +290,7 @@ class KVCacheScales(SyncFeature):
             host = Host.probe()
             model = ModelInfo.of_config(hf_config.to_dict(), model_path)
             check_fp8_kv_cache(self.settings, on_cpu=current_platform.is_cpu(), avx512=host.avx512, amx=host.amx,
-                               head_dim=model.head_dim, uses_mla=model.uses_mla)
+                               head_dim=model.head_dim, uses_mla=model.uses_mla, cuda_capability=host.cuda_capability)
             backend = fp8_kv_attention_backend(self.settings.kv_cache, nvidia_capability(host.cuda_capability),
                                                engine_kwargs)
             if backend:
