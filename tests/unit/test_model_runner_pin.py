@@ -140,14 +140,19 @@ def test_a_stock_vllm_server_keeps_vllms_choice(gpu_vllm):
     assert vllm_picks_v2(gpu_vllm, "Qwen3ForCausalLM")
 
 
-def test_the_servers_engine_lines_survive_vllms_root_logger_at_error(monkeypatch):
+def test_the_servers_engine_lines_survive_vllms_root_logger_at_error():
     """vLLM's serving entry points import ``model_hosting_container_standards``, which sets the root logger to ERROR
     (its default ``LOG_LEVEL``): the package logger's warnings are then dropped, the engine logger's are not."""
-    monkeypatch.setattr(logging.getLogger(), "level", logging.ERROR)
-    assert not logging.getLogger("qurl_verl").isEnabledFor(logging.WARNING)
-    logger = engine_logger()
-    assert logger.isEnabledFor(logging.WARNING) and not logger.propagate
-    assert [h for h in logger.handlers if h.get_name() == f"{logger.name}.console" and h.level <= logging.WARNING]
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # setLevel, not the attribute: it clears the loggers' isEnabledFor caches
+    try:
+        assert not logging.getLogger("qurl_verl").isEnabledFor(logging.WARNING)
+        logger = engine_logger()
+        assert logger.isEnabledFor(logging.WARNING) and not logger.propagate
+        assert [h for h in logger.handlers if h.get_name() == f"{logger.name}.console" and h.level <= logging.WARNING]
+    finally:
+        root.setLevel(level)
 
 
 @pytest.mark.parametrize("environ, env, v2", [
