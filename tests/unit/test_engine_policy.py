@@ -47,8 +47,9 @@ def model_dir(tmp_path_factory) -> Path:
 def gpu(monkeypatch):
     """Make this process look like one on an NVIDIA GPU of a given capability (the server reads ``Host.probe``,
     the check ``torch.cuda.get_device_capability``); the policy's variables are restored after the test."""
-    for name in ENGINE_ENV_VARS:
-        monkeypatch.delenv(name, raising=False)
+    for name in ENGINE_ENV_VARS:  # set, then removed: monkeypatch then restores an unset variable to unset too
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setattr(torch.version, "hip", None)
 
     def force(capability):
@@ -134,7 +135,8 @@ def test_the_check_fails_an_engine_the_policy_rules_out(check):
 
 
 def test_each_run_starts_from_the_environment_before_it(check, monkeypatch):
-    monkeypatch.delenv(DISABLED_KERNELS_ENV, raising=False)
+    monkeypatch.setenv(DISABLED_KERNELS_ENV, "")
+    monkeypatch.delenv(DISABLED_KERNELS_ENV)
     with check.engine_environment():
         os.environ[DISABLED_KERNELS_ENV] = CUTLASS_INT8_KERNEL  # an int8 run on Blackwell
     assert DISABLED_KERNELS_ENV not in os.environ
