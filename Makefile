@@ -8,8 +8,10 @@ PY_VLLM024 := .venv-vllm024/bin/python
 STEPS ?= 3
 # The 0.24 stack runs the tests marked `both_stacks` (tests/README.md): what reaches vLLM or a torch /
 # transformers behaviour whose version differs, every real engine, and the e2e runs whose matrix row names
-# 0.24. The GPU evidence script's CPU dry run is not among them: it emulates CUDA's row-wise FP8 _scaled_mm,
-# which CPU torch 2.11 lacks (the script runs on CUDA, its dry run on the default stack).
+# 0.24. The GPU check's CPU dry run (tests/gpu/check_qurl_vllm_cuda.py --dry-run, in
+# tests/integration/test_gpu_check_dry_run.py) runs on 0.24 only: its Python is the CUDA wheel's. The GPU
+# evidence benchmark's dry run (bench/gpu/gpu_evidence.py, in tests/unit/test_gpu_evidence_dry_run.py) is not
+# among them: it emulates CUDA's row-wise FP8 _scaled_mm, which CPU torch 2.11 lacks (it runs on 0.32).
 VLLM024_TESTS := -m both_stacks
 
 .PHONY: venv venv-vllm024 demo test lint test-vllm032 test-vllm032-unit test-vllm032-engines test-vllm024 test-install test-unit test-integration test-e2e \

@@ -194,13 +194,13 @@ BLACKWELL = (10, 0)
 
 def start_triton_int8_engine(model_dir, settings, environment, **engine_args):
     """An engine whose INT8 linears run vLLM's CUDA ``TritonInt8ScaledMMLinearKernel``, chosen by vLLM's selector
-    under the rollout server's own environment for a Blackwell GPU (``server.set_engine_env``: Cutlass disabled),
+    under the rollout server's own environment for a Blackwell GPU (``engine_policy.set_engine_env``: Cutlass disabled),
     set while the engine's workers start (``environment``: the test module's ``MonkeyPatch``, which restores what
     was there). Triton takes fp32 outputs, so an fp32 engine keeps the fp32 bounds. Returns (engine, its tensor
     records at the start: what a GPU engine's captured graphs hold)."""
     from qurl_testkit.reload_harness import start_engine
     from qurl_verl.rollout.cuda_kernel_env import DISABLED_KERNELS_ENV
-    from qurl_verl.rollout.server import set_engine_env
+    from qurl_verl.rollout.engine_policy import set_engine_env
 
     environment.delenv(DISABLED_KERNELS_ENV, raising=False)
     set_engine_env(settings, BLACKWELL)

@@ -275,10 +275,10 @@ def reference_logprobs(model, seqs: list[list[int]], temperature: float = 1.0, g
 
     out = []
     for i, seq in enumerate(seqs):
-        ids = torch.tensor([seq])
+        ids = torch.tensor([seq], device=model.device)  # a reference on a GPU (the GPU check's --quick) too
         with kv_hook(fp8_cache):
             logits = model(ids).logits[0, :-1].float() / temperature
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].double()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].double().cpu()
         out.append(lp[-generated[i]:] if generated else lp)
     return out
 

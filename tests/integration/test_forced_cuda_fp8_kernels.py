@@ -238,10 +238,10 @@ class TestForcedCutlassFp8:
 
 def _block_engine(model_dir, environment, capability, extension, label):
     """A bf16 ``fp8_block`` engine started under the server's environment for an ``fp8_block`` engine on a GPU of
-    ``capability`` (``server.set_engine_env``: ``VLLM_USE_DEEP_GEMM=0``), its tensor records at the start kept under
+    ``capability`` (``engine_policy.set_engine_env``: ``VLLM_USE_DEEP_GEMM=0``), its tensor records at the start kept under
     ``label``; stopped, and the variable removed, when the generator closes."""
     require_vllm()
-    from qurl_verl.rollout.server import set_engine_env
+    from qurl_verl.rollout.engine_policy import set_engine_env
 
     environment.delenv(USE_DEEP_GEMM_ENV, raising=False)  # undone (restored) with the module's environment
     set_engine_env(FP8_BLOCK, capability)
@@ -261,7 +261,7 @@ def _block_engine(model_dir, environment, capability, extension, label):
 
 class TestForcedCutlassFp8Block:
     """One bf16 ``fp8_block`` engine with vLLM's Cutlass block FP8 class, started under the server's environment for
-    an ``fp8_block`` engine on a Hopper GPU (``server.set_engine_env``), for the tests of this class."""
+    an ``fp8_block`` engine on a Hopper GPU (``engine_policy.set_engine_env``), for the tests of this class."""
 
     @pytest.fixture(scope="class")
     def block_engine(self, block_fp8_model_dir, engine_environment):

@@ -27,7 +27,7 @@ scrambled, median 0.51. Bound: median <= BF16_MEDIAN (0.03), and more than twice
 step. The per-GEMM check is the exact one.
 
 Triton runs in fp32 (its wrapper takes any float output), chosen by the server's real Blackwell environment
-(``server.set_engine_env`` for capability (10, 0): ``VLLM_DISABLED_KERNELS`` names Cutlass; vLLM's selector then
+(``engine_policy.set_engine_env`` for capability (10, 0): ``VLLM_DISABLED_KERNELS`` names Cutlass; vLLM's selector then
 skips it), so the fp32 bounds of the INT8 reload tests hold (``test_qurl_vllm_reload.py``: median <= 1e-5,
 p75 <= 1e-4, max <= 0.1; what is left is activation rounding ties). Measured: median 0, p75 5e-7, worst token
 0.007 (0.24) and 0.035 (0.32) at the first sync, 1e-6 at the second. (bf16 Triton: the unit test.)
@@ -211,7 +211,7 @@ class TestForcedCutlass:
 
 
 def test_blackwell_environment_takes_the_triton_int8_kernel(tiny_model_dir, engine_environment):
-    """The server's INT8 environment for a Blackwell GPU (``server.set_engine_env``, as ``_apply_quantization`` calls
+    """The server's INT8 environment for a Blackwell GPU (``engine_policy.set_engine_env``, as ``_apply_quantization`` calls
     it before the engine starts), in the engine's processes: vLLM's selector skips the disabled Cutlass class and
     takes Triton, which tracks the W8A8 reference in fp32 with the reload tests' bounds."""
     require_vllm()

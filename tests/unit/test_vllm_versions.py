@@ -68,6 +68,7 @@ def test_the_server_gates_its_own_vllm(monkeypatch):
     """A rollout server whose vLLM lacks the reload stops before its engine exists, whatever the driver had."""
     pytest.importorskip("vllm")
     import vllm
+    from transformers import Qwen2Config
 
     from qurl_verl.rollout import engine_checks, server
     from qurl_verl.settings import QurlConfigError
@@ -75,6 +76,9 @@ def test_the_server_gates_its_own_vllm(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.23.0")
     monkeypatch.setattr(engine_checks, "vllm_has_reload_api", lambda: False)
     fake = server.QurlvLLMHttpServer.__new__(server.QurlvLLMHttpServer)
-    fake.config = type("RolloutConfig", (), {"quantization": "int8", "custom": None})()
+    fake.config = type("RolloutConfig", (), {"quantization": "int8", "custom": None, "tensor_model_parallel_size": 1,
+                                             "enforce_eager": False})()
+    fake.model_config = type("ModelConfig", (), {"hf_config": Qwen2Config(architectures=["Qwen2ForCausalLM"]),
+                                                 "path": "/models/x"})()
     with pytest.raises(QurlConfigError, match="vLLM 0.23.0 has no layerwise reload"):
         fake._apply_quantization()
