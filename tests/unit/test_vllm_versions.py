@@ -77,7 +77,7 @@ def test_the_server_gates_its_own_vllm(monkeypatch):
     monkeypatch.setattr(engine_checks, "vllm_has_reload_api", lambda: False)
     fake = server.QurlvLLMHttpServer.__new__(server.QurlvLLMHttpServer)
     fake.config = type("RolloutConfig", (), {"quantization": "int8", "custom": None, "tensor_model_parallel_size": 1,
-                                             "enforce_eager": False})()
+                                             "enforce_eager": False, "dtype": "bfloat16"})()
     fake.model_config = type("ModelConfig", (), {"hf_config": Qwen2Config(architectures=["Qwen2ForCausalLM"]),
                                                  "path": "/models/x"})()
     with pytest.raises(QurlConfigError, match="vLLM 0.23.0 has no layerwise reload"):
