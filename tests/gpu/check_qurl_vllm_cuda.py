@@ -298,22 +298,27 @@ def sync(llm, named_tensors, use_shm: bool, tp: int = 1, bucket_mb: int = 64, **
 
 
 def requests(prompts: list[list[int]]):
-    """Seeded sampling at T=1 with the sampled and the prompt tokens' log-probs (as verl asks: ``logprobs=0``,
-    ``processed_logprobs``), then greedy."""
+    """Two batches: seeded sampling at T=1 with the sampled and the prompt tokens' log-probs (as verl asks:
+    ``logprobs=0``, ``processed_logprobs``), then greedy. Apart, because vLLM-CPU's sampler honours the requests'
+    seeds only when every request of a batch has one (0.24, ``TopKTopPSampler.forward_cpu``: a batch with an unseeded
+    request samples all of them from the global generator), which would make two engines of the same weights sample
+    different tokens in the dry run."""
     from vllm import SamplingParams
 
     sampled = [SamplingParams(temperature=1.0, max_tokens=16, seed=100 + i, logprobs=0, prompt_logprobs=0,
                               ignore_eos=True) for i in range(len(prompts))]
     greedy = [SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)] * len(prompts)
-    return [{"prompt_token_ids": p} for p in prompts] * 2, sampled + greedy
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    return [(batch, sampled), (batch, greedy)]
 
 
 def generate(llm, prompts: list[list[int]], lora_request=None) -> list[tuple[list[int], list[float]]]:
     """(full sequence, log-probs of its tokens 1..) per sampled request; (generated tokens, their log-probs) per
     greedy one."""
-    reqs, params = requests(prompts)
+    done = [(req, res) for reqs, params in requests(prompts)
+            for req, res in zip(reqs, llm.generate(reqs, params, use_tqdm=False, lora_request=lora_request))]
     out = []
-    for req, res in zip(reqs, llm.generate(reqs, params, use_tqdm=False, lora_request=lora_request)):
+    for req, res in done:
         gen = res.outputs[0]
         lps = [d[t].logprob for d, t in zip(gen.logprobs, gen.token_ids)]
         if res.prompt_logprobs:
