@@ -2,8 +2,9 @@
 the quantize-dequantize an FP8 cache applies to what it stores.
 
 vLLM keeps one scalar scale per attention layer for K and one for V (``Attention._k_scale``,
-``_v_scale``) and stores ``x / scale`` as FP8 E4M3; kernels that quantize the query as well (vLLM's
-FlashAttention with an FP8 cache on GPUs) use ``_q_scale``. The CPU kernels read K and V scales only.
+``_v_scale``) and stores ``x / scale`` as FP8 E4M3; CUDA backends that quantize the query as well
+(``quantize_dequantize_query_fp8``) use ``_q_scale``. The CPU kernels read K and V scales only and keep
+the query in the model's dtype.
 
 E4M3 is a float format: the scale only places its range (±448 times the scale). Above it values
 saturate; below it the relative precision (3 mantissa bits) is the same at every magnitude until the
@@ -80,6 +81,20 @@ def quantize_dequantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, roundi
         away = codes.float().abs() > scaled.abs()
         codes = torch.where(away, bits - 1, bits).view(FP8_KV_DTYPE)
     return (codes.float() * scale).to(x.dtype)
+
+
+def quantize_dequantize_query_fp8(query: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """The query a CUDA attention backend that takes FP8 queries attends with, in ``query``'s dtype.
+
+    With an FP8 cache, vLLM 0.24's ``Attention.forward`` quantizes the query statically, per tensor, with
+    the layer's ``_q_scale`` when the backend's ``supports_quant_query_input`` (Triton attention on CUDA,
+    FlashAttention 3 on SM90, FlashInfer's TRT-LLM kernels), and the kernel descales its scores by the same
+    scale. Both of vLLM's paths (``QuantFP8.forward_native``, compiled; the CUDA op ``static_scaled_fp8_quant``,
+    eager) multiply the float32 query by the float32 reciprocal of the scale, saturate to ±448 and round to
+    nearest, ties to even: a query element past 448 x scale (at the first sync, scale 1.0) is clipped there."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=query.device)
+    scaled = (query.float() * scale.reciprocal()).clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return (scaled.to(FP8_KV_DTYPE).float() * scale).to(query.dtype)
 
 
 class KVRangeObserver:

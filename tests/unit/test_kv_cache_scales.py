@@ -22,6 +22,7 @@ from qurl_verl.quant.kv_cache import (
     kv_scales,
     parse_kv_scale_name,
     quantize_dequantize_fp8,
+    quantize_dequantize_query_fp8,
     scale_from_amax,
 )
 
@@ -84,6 +85,44 @@ def test_rounding_toward_zero_is_vllm_cpus_store():
     assert (got.abs() <= x.abs().double() * (1 + 2**-20)).all()  # never away from zero
     with pytest.raises(ValueError, match="rounding must be"):
         quantize_dequantize_fp8(x, scale, "up")
+
+
+def query_as_cuda_quantizes_it_in_float64(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """vLLM's static per-tensor FP8 quantization of the query, step by step in float64: the layer's float32
+    scale, its reciprocal rounded once to float32 (IEEE division), the product rounded once to float32
+    (exact in float64: 24 + 24 bits), saturated, the nearest E4M3 value (ties to even), times the scale
+    rounded once to float32."""
+    scale = torch.tensor(scale, dtype=torch.float32).double()
+    reciprocal = (1.0 / scale).float().double()
+    scaled = (x.double() * reciprocal).float().double()
+    return (round_to_e4m3(scaled) * scale).float()
+
+
+def test_the_query_is_quantized_as_cudas_static_fp8_quant_does():
+    """Exact against the float64 steps, for float32 and bf16 queries; saturating at 448 x scale (the first
+    sync's scale 1.0 clips |q| > 448); and multiplying by the reciprocal, not dividing: the float32 queries
+    placed on E4M3 rounding ties times the scale round differently under x / s for this scale, and the
+    function follows x * (1/s) on every one of them."""
+    gen = torch.Generator().manual_seed(2)
+    for scale in (1.0, 0.0371, 3.3):
+        x = torch.randn(4096, generator=gen, dtype=torch.float32) * 40 * scale
+        x[:4] = torch.tensor([1e4, -1e4, 0.0, 1e-12]) * scale
+        expected = query_as_cuda_quantizes_it_in_float64(x, scale)
+        torch.testing.assert_close(quantize_dequantize_query_fp8(x, scale), expected, rtol=0, atol=0)
+        bf16 = x.bfloat16()
+        torch.testing.assert_close(quantize_dequantize_query_fp8(bf16, torch.tensor(scale)),
+                                   query_as_cuda_quantizes_it_in_float64(bf16.float(), scale).bfloat16(), rtol=0, atol=0)
+    assert quantize_dequantize_query_fp8(torch.tensor([600.0, -2e4, 447.0]), 1.0).tolist() == [448.0, -448.0, 448.0]
+
+    scale = 0.0371
+    grid = e4m3_grid()
+    ties = ((grid[1:] + grid[:-1]) / 2 * scale).float()  # between neighbouring codes, times the scale
+    by_reciprocal = query_as_cuda_quantizes_it_in_float64(ties, scale)
+    by_division = (round_to_e4m3((ties / torch.tensor(scale)).double()).float() * torch.tensor(scale)).float()
+    differ = by_reciprocal != by_division
+    assert differ.any(), "no tie tells x * (1/s) from x / s at this scale: the check below would not be one"
+    torch.testing.assert_close(quantize_dequantize_query_fp8(ties[differ], scale), by_reciprocal[differ],
+                               rtol=0, atol=0)
 
 
 def test_stream_names_round_trip_and_others_are_not_scales():
