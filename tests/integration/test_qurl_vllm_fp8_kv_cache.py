@@ -18,12 +18,15 @@ break differently, one flipped code each. Everything else is INT8 as usual.
 On vLLM 0.24 (GPU users' vLLM) the INT8 linears run vLLM's CUDA ``TritonInt8ScaledMMLinearKernel``, chosen by its
 selector under the rollout server's environment for a Blackwell GPU over exact fp32 stand-ins
 (``qurl_testkit.cuda_kernel_probe.start_triton_int8_engine``; the bounds below hold), and the CUDA-graph pointer
-contract is checked after every sync: the attention layers' ``_k_scale``/``_v_scale`` that take the streamed scales,
-and every parameter and buffer, keep the pointer, shape, stride and dtype they had at the engine's start (a captured
+contract is checked after every sync: the attention layers' scales (``_q_scale``/``_k_scale``/``_v_scale`` take the
+streamed scales; ``_prob_scale`` is read by CUDA kernels that quantize probabilities), and every parameter and buffer, keep the pointer, shape, stride and dtype they had at the engine's start (a captured
 graph reads the scales from there).
 
 The reference stores K and V as vLLM-CPU does: x times the float32 reciprocal of the scale, saturated,
-rounded toward zero to E4M3 (``csrc/cpu/cpu_attn_fp8.hpp``; CUDA kernels round to nearest). Tolerance
+rounded toward zero to E4M3 (``csrc/cpu/cpu_attn_fp8.hpp``; CUDA kernels round to nearest). Its query stays in
+the engine's dtype, as vLLM-CPU's attention reads it (its backend never sets ``supports_quant_query_input``); CUDA
+backends quantize it with ``_q_scale`` too, which the GPU check's reference models
+(``quantize_dequantize_query_fp8``). Tolerance
 of engine vs reference (per-token |log-prob difference|), the bounds of the INT8 engine tests with a
 bf16 cache: median <= 1e-5, p75 <= 1e-3, max <= 0.1. Most tokens agree to float32 rounding; an INT8
 activation that vLLM and the reference round to neighbouring codes moves the rest of its sequence by
@@ -94,7 +97,8 @@ def test_the_engine_attends_with_the_streamed_kv_scales(fp8_kv_engine, tiny_mode
     if at_start is not None:
         (classes,) = fp8_kv_engine.collective_rpc("probe_int8_kernel_classes")
         assert set(classes.values()) == {TRITON}, classes
-        assert sum(k.startswith("attention ") for k in at_start) == 2 * LAYERS, sorted(at_start)
+        scales_held = [k.rpartition(".")[2] for k in at_start if k.startswith("attention ")]
+        assert sorted(scales_held) == sorted(["_q_scale", "_k_scale", "_v_scale", "_prob_scale"] * LAYERS), scales_held
     trainer = TrainerWeights(tiny_model_dir)
     prompts = prompt_ids(tiny_model_dir)
     previous = {(i, p): 1.0 for i in range(LAYERS) for p in "qkv"}
