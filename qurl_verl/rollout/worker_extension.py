@@ -123,6 +123,13 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         """{module name: GEMM} of every INT8 linear as the engine holds it now (``int8_gemm_report``)."""
         return int8_gemm_report.int8_gemms(self.model_runner.model)
 
+    def qurl_fp8_attention(self) -> dict[str, list]:
+        """The attention the FP8-cache layers run (``kv_cache_scales.fp8_attention``): backend, and whether it
+        quantizes the query with the q scale the sync writes."""
+        from qurl_verl.rollout.features import kv_cache_scales
+
+        return kv_cache_scales.fp8_attention(self.model_runner.model)
+
     # ------------------------------------------------------------------ the reload itself
 
     def qurl_settings(self) -> RolloutSettings:

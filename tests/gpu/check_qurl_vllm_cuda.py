@@ -224,23 +224,51 @@ def compare(a, b) -> dict:
     return {"sequences_with_other_tokens": mismatched, "max_abs_dlogprob": max(diffs) if diffs else None}
 
 
-def reference_logprobs(model, seqs, kv_scales, rounding):
+def reference_logprobs(model, seqs, kv_scales, rounding, attention=None):
     """``qurl_testkit.reload_harness.reference_logprobs`` with the FP8 KV cache's rounding of this platform (CUDA
-    rounds to nearest, vLLM-CPU toward zero)."""
+    rounds to nearest, vLLM-CPU toward zero). ``attention`` (``engine_attention``): where the engine's backend takes
+    FP8 queries (CUDA's Triton and FlashAttention 3 with an FP8 cache; never vLLM-CPU), the query is
+    quantize-dequantized with the layer's q scale as vLLM does, and attention runs in float32 with the
+    probabilities rounded to E4M3 as that backend rounds them (``qurl_testkit.fp8_attention``)."""
+    from contextlib import nullcontext
+
     from qurl_testkit import reload_harness
+    from qurl_testkit.fp8_attention import sdpa_with_fp8_probabilities
     from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
-    from qurl_verl.quant.kv_cache import quantize_dequantize_fp8
+    from qurl_verl.quant.kv_cache import quantize_dequantize_fp8, quantize_dequantize_query_fp8
 
     if kv_scales is None:
         return reload_harness.reference_logprobs(model, seqs)
+    quantized_query = bool(attention and attention["quantizes_query"])
 
     def fp8_cache(module, query, key, value):
         layer = layer_index(module)
+        if quantized_query:
+            query = quantize_dequantize_query_fp8(query, kv_scales[(layer, "q")])
         return (query, quantize_dequantize_fp8(key, kv_scales[(layer, "k")], rounding),
                 quantize_dequantize_fp8(value, kv_scales[(layer, "v")], rounding))
 
-    with kv_hook(fp8_cache):
+    kernel = sdpa_with_fp8_probabilities(attention["probability_scale"]) if quantized_query else nullcontext()
+    with kernel, kv_hook(fp8_cache):
         return reload_harness.reference_logprobs(model, seqs)
+
+
+def engine_attention(llm) -> dict:
+    """What the engine's FP8-cache attention runs (first rank): its backend, whether it quantizes the query (the
+    reference's ``attention``, one answer for every layer, or ``ValueError``) and the E4M3 scale its probabilities
+    go through (``qurl_testkit.fp8_attention.PROBABILITY_SCALES``; None: a backend this reference does not model,
+    whose bound then says nothing)."""
+    from qurl_testkit.fp8_attention import PROBABILITY_SCALES
+
+    seen = llm.collective_rpc("qurl_fp8_attention")[0]  # QurlWorkerExtension's report
+    if len(seen["quantizes_query"]) != 1 or len(seen["backends"]) != 1:
+        raise ValueError(f"the FP8-cache attention layers differ in backend or query quantization: {seen}")
+    quantizes_query = seen["quantizes_query"][0]
+    scale = PROBABILITY_SCALES.get(seen["backends"][0]) if quantizes_query else None
+    if quantizes_query and scale is None:
+        raise ValueError(f"attention backend {seen['backends'][0]} takes FP8 queries, but the reference "
+                         f"does not know how it rounds its probabilities ({sorted(PROBABILITY_SCALES)}): {seen}")
+    return {**seen, "quantizes_query": quantizes_query, "probability_scale": scale}
 
 
 def trainer_kv_scales(model, prompts) -> dict[str, torch.Tensor]:
@@ -262,13 +290,13 @@ def build_reference(model_dir, master, settings, tp: int = 1):
     return reference_model(model_dir, master, settings, torch.bfloat16, tensor_parallel_size=tp)
 
 
-def vs_reference(model, seqs, got, scales, rounding, adapters=None) -> dict:
+def vs_reference(model, seqs, got, scales, rounding, adapters=None, attention=None) -> dict:
     from qurl_testkit.reload_harness import abs_diffs, summary
 
     handles = with_adapters(model, adapters) if adapters else []
     try:
         return summary(abs_diffs([torch.tensor(x, dtype=torch.float64) for x in got],
-                                 reference_logprobs(model, seqs, scales, rounding)))
+                                 reference_logprobs(model, seqs, scales, rounding, attention)))
     finally:
         for h in handles:
             h.remove()
@@ -355,6 +383,8 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
     report["seconds"]["engine_start"] = round(time.monotonic() - t0, 1)
     if args.dry_run:
         report["int8_kernel_classes"] = sorted(set(live.collective_rpc("probe_int8_kernel_classes")[0].values()))
+    if settings.kv_cache.quantized:  # the reference attends as the engine's backend does
+        report["attention"] = engine_attention(live)
     previous_reference = previous_out = None
     try:
         for step in range(args.syncs):
@@ -387,11 +417,13 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             n = len(prompts)
             seqs, got = [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
             reference_s = time.monotonic()
-            row["vs_w8a8_reference"] = vs_reference(reference, seqs, got, scales, rounding)
+            row["vs_w8a8_reference"] = vs_reference(reference, seqs, got, scales, rounding,
+                                                   attention=report.get("attention"))
             bound, away = reference_bounds(fmt, scales is not None)
             ok = row["vs_w8a8_reference"]["median"] <= bound
             if previous_reference is not None:  # the engine runs the new weights, not the previous step's
-                row["vs_previous_step_reference"] = vs_reference(previous_reference, seqs, got, scales, rounding)
+                row["vs_previous_step_reference"] = vs_reference(previous_reference, seqs, got, scales, rounding,
+                                                                   attention=report.get("attention"))
                 ok &= row["vs_previous_step_reference"]["median"] > away
                 row["vs_previous_sync_outputs"] = compare(outputs, previous_out)
             row["reference_forward_s"] = round(time.monotonic() - reference_s, 1)

@@ -99,6 +99,8 @@ def test_the_engine_attends_with_the_streamed_kv_scales(fp8_kv_engine, tiny_mode
         assert set(classes.values()) == {TRITON}, classes
         scales_held = [k.rpartition(".")[2] for k in at_start if k.startswith("attention ")]
         assert sorted(scales_held) == sorted(["_q_scale", "_k_scale", "_v_scale", "_prob_scale"] * LAYERS), scales_held
+    (attention,) = fp8_kv_engine.collective_rpc("qurl_fp8_attention")  # the GPU check's reference reads it
+    assert attention["backends"] == ["CPU_ATTN"] and attention["quantizes_query"] == [False], attention
     trainer = TrainerWeights(tiny_model_dir)
     prompts = prompt_ids(tiny_model_dir)
     previous = {(i, p): 1.0 for i in range(LAYERS) for p in "qkv"}

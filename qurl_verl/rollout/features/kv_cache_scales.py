@@ -167,6 +167,20 @@ def fp8_cache_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return layers
 
 
+def fp8_attention(model: torch.nn.Module) -> dict[str, list]:
+    """What the attention layers with an FP8 cache run, each as the sorted set of what their layers say:
+    ``backends`` (vLLM's backend names), ``impls`` (their classes) and ``quantizes_query``: whether ``forward``
+    quantizes the query to FP8 with ``_q_scale`` (vLLM sets ``query_quant`` for an FP8 cache when the backend's
+    implementation ``supports_quant_query_input``: Triton attention on CUDA, FlashAttention 3; never on CPU)."""
+    layers = list(fp8_cache_layers(model).values())
+    return {
+        "backends": sorted({layer.attn_backend.get_name() for layer in layers}),
+        "impls": sorted({type(layer.impl).__name__ for layer in layers}),
+        "quantizes_query": sorted({getattr(layer, "query_quant", None) is not None
+                                   and bool(getattr(layer.impl, "supports_quant_query_input", False)) for layer in layers}),
+    }
+
+
 def load_scales(layers: dict[int, torch.nn.Module], scales: dict[tuple[int, str], float]) -> dict[str, float]:
     """After a reload: the streamed ``{(layer, part): scale}`` into the FP8 attention layers; returns
     their range (``kv_scale_{k,v}_{min,max}``, empty without FP8 layers).
