@@ -21,8 +21,9 @@ Per format:
    ``QurlWorkerExtension``, CUDA graphs on; ``--kv-cache fp8``: vLLM's ``fp8_e4m3`` cache, as
    ``custom.qurl.kv_cache=fp8``; ``--tp``) takes ``--syncs`` weight syncs of fp32 masters that step like an
    optimizer, through verl's ``BucketedWeightSender`` over CUDA IPC (the colocated path, one sender per rank).
-   With ``--kv-cache fp8`` the stream carries no K/V scales at sync 1 (vLLM's 1.0, as a run's first sync), then
-   the scales the actor computes from the K/V ranges of its forwards (``qurl_verl.quant.kv_cache``). With
+   With ``--kv-cache fp8`` the stream carries no K/V scales at sync 1 (as a run's first sync: the engine bounds
+   them from the streamed weights, ``AttentionInputBounds``), then the scales the actor computes from the K/V
+   ranges of its forwards (``qurl_verl.quant.kv_cache``). With
    ``--sleep`` the engine sleeps at level 2 and wakes before each sync after the first, as verl's colocated
    engines do between rollouts (the sync alone must rebuild the weights);
 2. after each sync it generates (seeded sampling at T=1 with the sampled and the prompt tokens' log-probs, as
@@ -283,6 +284,17 @@ def trainer_kv_scales(model, prompts) -> dict[str, torch.Tensor]:
     return kv_scales(observer.take())
 
 
+def weight_bounded_kv_scales(master: dict[str, torch.Tensor], layers: int) -> dict[tuple[int, str], float]:
+    """The scales the engine takes at a sync whose stream carries none (``AttentionInputBounds`` of the
+    streamed weights; vLLM's 1.0 where a weight the bounds need is missing)."""
+    from qurl_verl.quant.kv_cache import AttentionInputBounds
+
+    bounds = AttentionInputBounds()
+    for name, tensor in master.items():
+        bounds.see(name, tensor)
+    return bounds.scales(range(layers)) or {(i, p): 1.0 for i in range(layers) for p in "qkv"}
+
+
 def build_reference(model_dir, master, settings, tp: int = 1):
     """The torch W8A8 reference (``reload_harness.reference_model``) in bf16 on the CPU; built once per step."""
     from qurl_testkit.reload_harness import reference_model
@@ -405,11 +417,11 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             reference_s = time.monotonic()
             reference = build_reference(model_dir, trainer.master, settings, args.tp)
             row["reference_build_s"] = round(time.monotonic() - reference_s, 1)
-            if settings.kv_cache.quantized:  # sync 1 carries none (vLLM's 1.0), then the actor's ranges
+            if settings.kv_cache.quantized:  # sync 1 carries none (the engine bounds them), then the actor's ranges
                 if step:
                     streamed = trainer_kv_scales(reference, prompts)
-                scales = {parse_kv_scale_name(n): float(v) for n, v in streamed.items()} or {
-                    (i, p): 1.0 for i in range(trainer_layers(trainer)) for p in "qkv"}
+                scales = {parse_kv_scale_name(n): float(v) for n, v in streamed.items()} or weight_bounded_kv_scales(
+                    trainer.master, trainer_layers(trainer))
             t0 = time.monotonic()
             row["stats"] = sync(live, [*stream, *streamed.items()], use_shm=args.dry_run, tp=args.tp)
             row["sync_s"] = round(time.monotonic() - t0, 2)

@@ -7,9 +7,9 @@ One live INT8 engine (fp32, vLLM's ``kv_cache_dtype=fp8_e4m3``), synced through 
 quantization of o_proj meets exact rounding ties that vLLM (x * (1/s)) and the torch reference (x / s)
 break differently, one flipped code each. Everything else is INT8 as usual.
 
-* sync 1 carries no scales, as the first sync of a run (before any actor forward): every layer holds
-  vLLM's uncalibrated 1.0, and the engine's log-probs track a torch reference whose K and V go through
-  an E4M3 quantize-dequantize with scale 1.0;
+* sync 1 carries no scales, as the first sync of a run (before any actor forward): the engine bounds |q|,
+  |k|, |v| from the streamed weights (``AttentionInputBounds``, recomputed here in float64), and its
+  log-probs track a torch reference whose K and V go through an E4M3 quantize-dequantize with those scales;
 * syncs 2-4 carry scales computed as the actor computes them (K/V ranges observed in the attention
   dispatch of the trainer's model, ``scale_from_amax``), then the same times 4 at sync 4: each time the
   engine tracks the reference with those scales, and not the reference with the previous ones;
@@ -88,6 +88,20 @@ def trainer_scales(model, prompts) -> dict[str, torch.Tensor]:
     return kv_scales(observer.take())
 
 
+def weight_bounded_scales(master: dict[str, torch.Tensor]) -> dict[tuple[int, str], float]:
+    """The scales of a sync without streamed ones: per layer and part, the largest ``sqrt(d) max|g| ||W_j||_2 +
+    |b_j|`` (g: input_layernorm's weight), times sqrt(2) for q and k (RoPE), over 448; in float64."""
+    scales = {}
+    for i in range(LAYERS):
+        g = master[f"model.layers.{i}.input_layernorm.weight"].double().abs().max()
+        for part in "qkv":
+            w = master[f"model.layers.{i}.self_attn.{part}_proj.weight"].double()
+            b = master[f"model.layers.{i}.self_attn.{part}_proj.bias"].double()
+            bound = (w.shape[1] ** 0.5 * g * w.norm(dim=-1) + b.abs()).max() * (2**0.5 if part in "qk" else 1.0)
+            scales[(i, part)] = float(bound) / 448
+    return scales
+
+
 def as_pairs(scales: dict[str, torch.Tensor]) -> dict[tuple[int, str], float]:
     return {parse_kv_scale_name(name): float(value) for name, value in scales.items()}
 
@@ -113,9 +127,10 @@ def test_the_engine_attends_with_the_streamed_kv_scales(fp8_kv_engine, tiny_mode
             streamed = trainer_scales(model, prompts)
             if sync == 3:
                 streamed = {name: 4 * value for name, value in streamed.items()}
-        scales = as_pairs(streamed) or {(i, p): 1.0 for i in range(LAYERS) for p in "qkv"}
+        scales = as_pairs(streamed) or weight_bounded_scales(trainer.master)
         [stats] = sync_weights(fp8_kv_engine, [*trainer.named_tensors(), *streamed.items()])
         assert stats["kv_scale_layers_streamed"] == (LAYERS if sync else 0), stats
+        assert stats["kv_scale_layers_from_weights"] == (0 if sync else LAYERS), stats
         assert stats["kv_scale_k_max"] == pytest.approx(max(scales[(i, "k")] for i in range(LAYERS)), rel=1e-6)
         assert stats["kv_scale_v_min"] == pytest.approx(min(scales[(i, "v")] for i in range(LAYERS)), rel=1e-6)
         assert stats["quantized"] == 6 * LAYERS, stats  # the scales are not weights of the stream

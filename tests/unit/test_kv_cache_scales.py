@@ -17,6 +17,7 @@ from qurl_verl.quant.kv_cache import (
     FP8_KV_MAX,
     KV_SCALE_HEADROOM,
     ROUND_TOWARD_ZERO,
+    AttentionInputBounds,
     KVRangeObserver,
     kv_scale_name,
     kv_scales,
@@ -153,6 +154,77 @@ def tiny_model(arch: str, attn: str):
         for p in model.parameters():
             p.normal_(0, 0.3)
     return model.eval()
+
+
+def weight_bounds(model, names=lambda n: n) -> AttentionInputBounds:
+    bounds = AttentionInputBounds()
+    for name, tensor in model.state_dict().items():
+        bounds.see(names(name), tensor)
+    return bounds
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_weight_bounds_hold_for_any_hidden_state(arch):
+    """The first sync's scales (bounds from the weights alone) are never below what attention receives: random
+    token inputs, hidden states 1e4 times larger than the embeddings, and per layer-0 projection row the hidden
+    state that maximizes it (Qwen2: q/k/v with random biases and norm weights; Qwen3: q_norm/k_norm)."""
+    model = tiny_model(arch, "sdpa")
+    bounds = weight_bounds(model)
+    layers = range(model.config.num_hidden_layers)
+    scales = bounds.scales(layers)
+    assert sorted(scales) == sorted((i, p) for i in layers for p in "qkv")
+    observer = KVRangeObserver()
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    attn0 = model.model.layers[0].self_attn
+    rows = torch.cat([attn0.q_proj.weight, attn0.k_proj.weight, attn0.v_proj.weight])
+    adversarial = rows * model.model.layers[0].input_layernorm.weight.sign()  # each row's own direction, one a token
+    inputs = [torch.randn(1, 16, hidden, generator=gen) * 1e4, adversarial[None], -adversarial[None]]
+    with torch.no_grad(), attention_kv_hook.kv_hook(
+            lambda m, q, k, v: observer.observe(attention_kv_hook.layer_index(m), q, k, v)):
+        model(torch.randint(0, 64, (2, 24), generator=gen))
+        for embeds in inputs:
+            model(inputs_embeds=embeds)
+    for layer, amax in observer.take().items():
+        for part, seen in zip("qkv", amax.tolist()):
+            assert seen <= scales[(layer, part)] * FP8_KV_MAX * (1 + 1e-5), (layer, part, seen)
+
+
+def test_the_weight_bound_of_v_is_reached_by_the_hidden_state_it_assumes():
+    """Layer 0's V (no RoPE) with equal norm weights: the hidden state along the projection row of largest
+    ``sqrt(d) ||W_j|| + |b_j|``, signed as its bias, gives exactly that value (float64 formula; 1e-4: the
+    norm's epsilon and float32), so the bound is the formula and not a looser one."""
+    model = tiny_model("qwen2", "sdpa")
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        layer.input_layernorm.weight.fill_(0.7)
+    w, b = layer.self_attn.v_proj.weight.detach().double(), layer.self_attn.v_proj.bias.detach().double()
+    hidden = w.shape[1]
+    formula = hidden**0.5 * 0.7 * w.norm(dim=-1) + b.abs()
+    j = int(formula.argmax())
+    observer = KVRangeObserver()
+    with torch.no_grad(), attention_kv_hook.kv_hook(
+            lambda m, q, k, v: observer.observe(attention_kv_hook.layer_index(m), q, k, v)):
+        model(inputs_embeds=(torch.sign(b[j]) * w[j] * 100).float()[None, None])
+    bound = weight_bounds(model).bound(0, "v")
+    assert bound == pytest.approx(float(formula.max()), rel=1e-6)
+    assert float(observer.take()[0][2]) == pytest.approx(bound, rel=1e-4)
+
+
+def test_weight_bounds_read_lora_and_prefixed_names_and_need_every_tensor():
+    """verl's LoRA streams name the base weights ``...q_proj.base_layer.weight``; a multimodal checkpoint puts the
+    decoder under a prefix. A layer whose projection or norm never passed gets no scales at all (vLLM's 1.0)."""
+    model = tiny_model("qwen2", "sdpa")
+    plain = weight_bounds(model).scales(range(2))
+    lora = weight_bounds(model, lambda n: n.replace("_proj.weight", "_proj.base_layer.weight"))
+    assert lora.scales(range(2)) == plain
+    assert weight_bounds(model, lambda n: f"model.language_model.{n}").scales(range(2)) == plain
+    bounds = AttentionInputBounds()
+    for name, tensor in model.state_dict().items():
+        if name != "model.layers.1.input_layernorm.weight":
+            bounds.see(name, tensor)
+    assert bounds.scales(range(2)) == {}
+    assert not bounds.see("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))
 
 
 @torch.no_grad()
