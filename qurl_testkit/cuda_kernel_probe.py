@@ -14,6 +14,12 @@ from qurl_verl import versions
 from qurl_verl.rollout import int8_gemm_report
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 
+# The scale tensors of a vLLM attention layer that its kernels read: on CUDA the device scales inside captured
+# graphs (``_q_scale`` when the backend takes FP8 queries, ``_prob_scale`` where one quantizes probabilities), and
+# 0.32's host tensors (``_k_scale_cpu``/``_v_scale_cpu``); a sync writes all of them in place. The host floats
+# (``_q_scale_float``, ...) hold no storage a graph could keep.
+ATTENTION_SCALES = ("_q_scale", "_k_scale", "_v_scale", "_prob_scale", "_k_scale_cpu", "_v_scale_cpu")
+
 
 class TensorRecordsProbe:
     """What a captured CUDA graph holds, read in the engine (a mix-in of worker extensions)."""
@@ -31,7 +37,7 @@ class TensorRecordsProbe:
 
     def probe_tensor_records(self) -> dict[str, tuple]:
         """(data_ptr, shape, stride, dtype) of every parameter and buffer of the model, of each attention layer's
-        ``_k_scale``/``_v_scale`` (whatever they are on this vLLM) and of each LoRA layer's adapter slots
+        scales (``ATTENTION_SCALES``, whatever they are on this vLLM) and of each LoRA layer's adapter slots
         (``lora_a_stacked``/``lora_b_stacked``: a tensor, or a tuple of them): what a captured CUDA graph holds."""
         model = self.model_runner.model
         records = {}
@@ -45,7 +51,7 @@ class TensorRecordsProbe:
         for name, b in model.named_buffers(remove_duplicate=False):
             add(f"buffer {name}", b)
         for name, module in model.named_modules():
-            for attr in ("_k_scale", "_v_scale"):
+            for attr in ATTENTION_SCALES:
                 if hasattr(module, attr):
                     add(f"attention {name}.{attr}", getattr(module, attr))
             for attr in ("lora_a_stacked", "lora_b_stacked"):

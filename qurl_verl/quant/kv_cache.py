@@ -2,8 +2,9 @@
 the quantize-dequantize an FP8 cache applies to what it stores.
 
 vLLM keeps one scalar scale per attention layer for K and one for V (``Attention._k_scale``,
-``_v_scale``) and stores ``x / scale`` as FP8 E4M3; kernels that quantize the query as well (vLLM's
-FlashAttention with an FP8 cache on GPUs) use ``_q_scale``. The CPU kernels read K and V scales only.
+``_v_scale``) and stores ``x / scale`` as FP8 E4M3; CUDA backends that quantize the query as well
+(``quantize_dequantize_query_fp8``) use ``_q_scale``. The CPU kernels read K and V scales only and keep
+the query in the model's dtype.
 
 E4M3 is a float format: the scale only places its range (±448 times the scale). Above it values
 saturate; below it the relative precision (3 mantissa bits) is the same at every magnitude until the
@@ -16,6 +17,7 @@ clips the largest 0.1 %; an amax costs one reduction per tensor and no histogram
 """
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -80,6 +82,92 @@ def quantize_dequantize_fp8(x: torch.Tensor, scale: torch.Tensor | float, roundi
         away = codes.float().abs() > scaled.abs()
         codes = torch.where(away, bits - 1, bits).view(FP8_KV_DTYPE)
     return (codes.float() * scale).to(x.dtype)
+
+
+def quantize_dequantize_query_fp8(query: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """The query a CUDA attention backend that takes FP8 queries attends with, in ``query``'s dtype.
+
+    With an FP8 cache, vLLM 0.24's ``Attention.forward`` quantizes the query statically, per tensor, with
+    the layer's ``_q_scale`` when the backend's ``supports_quant_query_input`` (Triton attention on CUDA,
+    FlashAttention 3 on SM90, FlashInfer's TRT-LLM kernels), and the kernel descales its scores by the same
+    scale. Both of vLLM's paths (``QuantFP8.forward_native``, compiled; the CUDA op ``static_scaled_fp8_quant``,
+    eager) multiply the float32 query by the float32 reciprocal of the scale, saturate to ±448 and round to
+    nearest, ties to even: a query element past 448 x scale is clipped there."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=query.device)
+    scaled = (query.float() * scale.reciprocal()).clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return (scaled.to(FP8_KV_DTYPE).float() * scale).to(query.dtype)
+
+
+# The streamed tensors a decoder layer's attention inputs depend on, under the checkpoint names of the supported
+# architectures (Qwen2/3, Llama, their MoE variants) and verl's LoRA ``base_layer`` names.
+_ATTENTION_WEIGHT_RE = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:(input_layernorm)|self_attn\.([qkv])_proj|self_attn\.([qk])_norm)"
+    r"(?:\.base_layer)?\.(weight|bias)$")
+
+
+class AttentionInputBounds:
+    """Upper bounds on |q|, |k| and |v| as attention receives them, per decoder layer, from the weights alone:
+    the scales of a sync whose stream carries none (a run's first, before the actor has run a forward), which
+    then cannot clip whatever the hidden state is (vLLM's default 1.0 clips every |x| past 448: Qwen2-family
+    q/k biases can reach that).
+
+    For a pre-norm layer, ``input_layernorm`` (RMSNorm) gives ``x_hat * g`` with ``||x_hat||_2 <= sqrt(d)``, so
+    output j of a projection is at most ``sqrt(d) max|g| ||W_j||_2 + |b_j|`` (Cauchy-Schwarz); a per-head
+    ``q_norm``/``k_norm`` makes it at most ``sqrt(head_dim) max|g_head|``; RoPE turns pairs of outputs, so
+    after it an element of q or k is at most ``sqrt(2)`` times the largest bound (the head-normed one already
+    bounds the pair). One reduction per projection row while the stream passes; nothing is kept but the bounds.
+    The scale puts the bound at 448: E4M3's relative precision is the same at every magnitude down to 2^-6 of
+    the top, so a generous scale costs little, a clipping one a lot (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._norm: dict[int, float] = {}  # layer -> max |input_layernorm weight|
+        self._rows: dict[tuple[int, str], torch.Tensor] = {}  # (layer, part) -> ||W_j||_2
+        self._width: dict[tuple[int, str], int] = {}
+        self._bias: dict[tuple[int, str], torch.Tensor] = {}
+        self._head_norm: dict[tuple[int, str], tuple[float, int]] = {}  # max |g_head|, head_dim
+
+    @torch.no_grad()
+    def see(self, name: str, tensor: torch.Tensor) -> bool:
+        """Take what ``name`` says about a layer's attention inputs; whether it was such a tensor."""
+        match = _ATTENTION_WEIGHT_RE.search(name)
+        if match is None:
+            return False
+        layer, norm, proj, head_norm, kind = match.groups()
+        layer = int(layer)
+        t = tensor.detach().float()
+        if norm:
+            self._norm[layer] = float(t.abs().max())
+        elif head_norm:
+            self._head_norm[(layer, head_norm)] = (float(t.abs().max()), t.numel())
+        elif kind == "weight":
+            self._rows[(layer, proj)] = t.norm(dim=-1).cpu()
+            self._width[(layer, proj)] = t.shape[-1]
+        else:
+            self._bias[(layer, proj)] = t.abs().cpu()
+        return True
+
+    def bound(self, layer: int, part: str) -> float | None:
+        """The bound on |part| of ``layer`` (None: a tensor it needs did not pass)."""
+        if part in ("q", "k") and (layer, part) in self._head_norm:
+            largest, head_dim = self._head_norm[(layer, part)]
+            return math.sqrt(head_dim) * largest
+        if layer not in self._norm or (layer, part) not in self._rows:
+            return None
+        rows = math.sqrt(self._width[(layer, part)]) * self._norm[layer] * self._rows[(layer, part)].double()
+        if (layer, part) in self._bias:
+            rows = rows + self._bias[(layer, part)].double()
+        return float(rows.max()) * (math.sqrt(2.0) if part in ("q", "k") else 1.0)
+
+    def scales(self, layers) -> dict[tuple[int, str], float]:
+        """{(layer, part): bound / 448} for every part of ``layers``, or {} when any bound is missing."""
+        scales = {}
+        for layer in layers:
+            for part in KV_PARTS:
+                bound = self.bound(layer, part)
+                if bound is None or not math.isfinite(bound):
+                    return {}
+                scales[(layer, part)] = max(bound / FP8_KV_MAX, MIN_KV_SCALE)
+        return scales
 
 
 class KVRangeObserver:

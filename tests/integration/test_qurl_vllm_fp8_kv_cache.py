@@ -7,9 +7,9 @@ One live INT8 engine (fp32, vLLM's ``kv_cache_dtype=fp8_e4m3``), synced through 
 quantization of o_proj meets exact rounding ties that vLLM (x * (1/s)) and the torch reference (x / s)
 break differently, one flipped code each. Everything else is INT8 as usual.
 
-* sync 1 carries no scales, as the first sync of a run (before any actor forward): every layer holds
-  vLLM's uncalibrated 1.0, and the engine's log-probs track a torch reference whose K and V go through
-  an E4M3 quantize-dequantize with scale 1.0;
+* sync 1 carries no scales, as the first sync of a run (before any actor forward): the engine bounds |q|,
+  |k|, |v| from the streamed weights (``AttentionInputBounds``, recomputed here in float64), and its
+  log-probs track a torch reference whose K and V go through an E4M3 quantize-dequantize with those scales;
 * syncs 2-4 carry scales computed as the actor computes them (K/V ranges observed in the attention
   dispatch of the trainer's model, ``scale_from_amax``), then the same times 4 at sync 4: each time the
   engine tracks the reference with those scales, and not the reference with the previous ones;
@@ -18,12 +18,15 @@ break differently, one flipped code each. Everything else is INT8 as usual.
 On vLLM 0.24 (GPU users' vLLM) the INT8 linears run vLLM's CUDA ``TritonInt8ScaledMMLinearKernel``, chosen by its
 selector under the rollout server's environment for a Blackwell GPU over exact fp32 stand-ins
 (``qurl_testkit.cuda_kernel_probe.start_triton_int8_engine``; the bounds below hold), and the CUDA-graph pointer
-contract is checked after every sync: the attention layers' ``_k_scale``/``_v_scale`` that take the streamed scales,
-and every parameter and buffer, keep the pointer, shape, stride and dtype they had at the engine's start (a captured
+contract is checked after every sync: the attention layers' scales (``_q_scale``/``_k_scale``/``_v_scale`` take the
+streamed scales; ``_prob_scale`` is read by CUDA kernels that quantize probabilities), and every parameter and buffer, keep the pointer, shape, stride and dtype they had at the engine's start (a captured
 graph reads the scales from there).
 
 The reference stores K and V as vLLM-CPU does: x times the float32 reciprocal of the scale, saturated,
-rounded toward zero to E4M3 (``csrc/cpu/cpu_attn_fp8.hpp``; CUDA kernels round to nearest). Tolerance
+rounded toward zero to E4M3 (``csrc/cpu/cpu_attn_fp8.hpp``; CUDA kernels round to nearest). Its query stays in
+the engine's dtype, as vLLM-CPU's attention reads it (its backend never sets ``supports_quant_query_input``); CUDA
+backends quantize it with ``_q_scale`` too, which the GPU check's reference models
+(``quantize_dequantize_query_fp8``). Tolerance
 of engine vs reference (per-token |log-prob difference|), the bounds of the INT8 engine tests with a
 bf16 cache: median <= 1e-5, p75 <= 1e-3, max <= 0.1. Most tokens agree to float32 rounding; an INT8
 activation that vLLM and the reference round to neighbouring codes moves the rest of its sequence by
@@ -85,6 +88,20 @@ def trainer_scales(model, prompts) -> dict[str, torch.Tensor]:
     return kv_scales(observer.take())
 
 
+def weight_bounded_scales(master: dict[str, torch.Tensor]) -> dict[tuple[int, str], float]:
+    """The scales of a sync without streamed ones: per layer and part, the largest ``sqrt(d) max|g| ||W_j||_2 +
+    |b_j|`` (g: input_layernorm's weight), times sqrt(2) for q and k (RoPE), over 448; in float64."""
+    scales = {}
+    for i in range(LAYERS):
+        g = master[f"model.layers.{i}.input_layernorm.weight"].double().abs().max()
+        for part in "qkv":
+            w = master[f"model.layers.{i}.self_attn.{part}_proj.weight"].double()
+            b = master[f"model.layers.{i}.self_attn.{part}_proj.bias"].double()
+            bound = (w.shape[1] ** 0.5 * g * w.norm(dim=-1) + b.abs()).max() * (2**0.5 if part in "qk" else 1.0)
+            scales[(i, part)] = float(bound) / 448
+    return scales
+
+
 def as_pairs(scales: dict[str, torch.Tensor]) -> dict[tuple[int, str], float]:
     return {parse_kv_scale_name(name): float(value) for name, value in scales.items()}
 
@@ -94,7 +111,10 @@ def test_the_engine_attends_with_the_streamed_kv_scales(fp8_kv_engine, tiny_mode
     if at_start is not None:
         (classes,) = fp8_kv_engine.collective_rpc("probe_int8_kernel_classes")
         assert set(classes.values()) == {TRITON}, classes
-        assert sum(k.startswith("attention ") for k in at_start) == 2 * LAYERS, sorted(at_start)
+        scales_held = [k.rpartition(".")[2] for k in at_start if k.startswith("attention ")]
+        assert sorted(scales_held) == sorted(["_q_scale", "_k_scale", "_v_scale", "_prob_scale"] * LAYERS), scales_held
+    (attention,) = fp8_kv_engine.collective_rpc("qurl_fp8_attention")  # the GPU check's reference reads it
+    assert attention["backends"] == ["CPU_ATTN"] and attention["quantizes_query"] == [False], attention
     trainer = TrainerWeights(tiny_model_dir)
     prompts = prompt_ids(tiny_model_dir)
     previous = {(i, p): 1.0 for i in range(LAYERS) for p in "qkv"}
@@ -107,9 +127,10 @@ def test_the_engine_attends_with_the_streamed_kv_scales(fp8_kv_engine, tiny_mode
             streamed = trainer_scales(model, prompts)
             if sync == 3:
                 streamed = {name: 4 * value for name, value in streamed.items()}
-        scales = as_pairs(streamed) or {(i, p): 1.0 for i in range(LAYERS) for p in "qkv"}
+        scales = as_pairs(streamed) or weight_bounded_scales(trainer.master)
         [stats] = sync_weights(fp8_kv_engine, [*trainer.named_tensors(), *streamed.items()])
         assert stats["kv_scale_layers_streamed"] == (LAYERS if sync else 0), stats
+        assert stats["kv_scale_layers_from_weights"] == (0 if sync else LAYERS), stats
         assert stats["kv_scale_k_max"] == pytest.approx(max(scales[(i, "k")] for i in range(LAYERS)), rel=1e-6)
         assert stats["kv_scale_v_min"] == pytest.approx(min(scales[(i, "v")] for i in range(LAYERS)), rel=1e-6)
         assert stats["quantized"] == 6 * LAYERS, stats  # the scales are not weights of the stream

@@ -17,11 +17,13 @@ from qurl_verl.quant.kv_cache import (
     FP8_KV_MAX,
     KV_SCALE_HEADROOM,
     ROUND_TOWARD_ZERO,
+    AttentionInputBounds,
     KVRangeObserver,
     kv_scale_name,
     kv_scales,
     parse_kv_scale_name,
     quantize_dequantize_fp8,
+    quantize_dequantize_query_fp8,
     scale_from_amax,
 )
 
@@ -86,6 +88,44 @@ def test_rounding_toward_zero_is_vllm_cpus_store():
         quantize_dequantize_fp8(x, scale, "up")
 
 
+def query_as_cuda_quantizes_it_in_float64(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """vLLM's static per-tensor FP8 quantization of the query, step by step in float64: the layer's float32
+    scale, its reciprocal rounded once to float32 (IEEE division), the product rounded once to float32
+    (exact in float64: 24 + 24 bits), saturated, the nearest E4M3 value (ties to even), times the scale
+    rounded once to float32."""
+    scale = torch.tensor(scale, dtype=torch.float32).double()
+    reciprocal = (1.0 / scale).float().double()
+    scaled = (x.double() * reciprocal).float().double()
+    return (round_to_e4m3(scaled) * scale).float()
+
+
+def test_the_query_is_quantized_as_cudas_static_fp8_quant_does():
+    """Exact against the float64 steps, for float32 and bf16 queries; saturating at 448 x scale (the first
+    sync's scale 1.0 clips |q| > 448); and multiplying by the reciprocal, not dividing: the float32 queries
+    placed on E4M3 rounding ties times the scale round differently under x / s for this scale, and the
+    function follows x * (1/s) on every one of them."""
+    gen = torch.Generator().manual_seed(2)
+    for scale in (1.0, 0.0371, 3.3):
+        x = torch.randn(4096, generator=gen, dtype=torch.float32) * 40 * scale
+        x[:4] = torch.tensor([1e4, -1e4, 0.0, 1e-12]) * scale
+        expected = query_as_cuda_quantizes_it_in_float64(x, scale)
+        torch.testing.assert_close(quantize_dequantize_query_fp8(x, scale), expected, rtol=0, atol=0)
+        bf16 = x.bfloat16()
+        torch.testing.assert_close(quantize_dequantize_query_fp8(bf16, torch.tensor(scale)),
+                                   query_as_cuda_quantizes_it_in_float64(bf16.float(), scale).bfloat16(), rtol=0, atol=0)
+    assert quantize_dequantize_query_fp8(torch.tensor([600.0, -2e4, 447.0]), 1.0).tolist() == [448.0, -448.0, 448.0]
+
+    scale = 0.0371
+    grid = e4m3_grid()
+    ties = ((grid[1:] + grid[:-1]) / 2 * scale).float()  # between neighbouring codes, times the scale
+    by_reciprocal = query_as_cuda_quantizes_it_in_float64(ties, scale)
+    by_division = (round_to_e4m3((ties / torch.tensor(scale)).double()).float() * torch.tensor(scale)).float()
+    differ = by_reciprocal != by_division
+    assert differ.any(), "no tie tells x * (1/s) from x / s at this scale: the check below would not be one"
+    torch.testing.assert_close(quantize_dequantize_query_fp8(ties[differ], scale), by_reciprocal[differ],
+                               rtol=0, atol=0)
+
+
 def test_stream_names_round_trip_and_others_are_not_scales():
     assert parse_kv_scale_name(kv_scale_name(11, "k")) == (11, "k")
     for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.attn.k_scale",
@@ -114,6 +154,77 @@ def tiny_model(arch: str, attn: str):
         for p in model.parameters():
             p.normal_(0, 0.3)
     return model.eval()
+
+
+def weight_bounds(model, names=lambda n: n) -> AttentionInputBounds:
+    bounds = AttentionInputBounds()
+    for name, tensor in model.state_dict().items():
+        bounds.see(names(name), tensor)
+    return bounds
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_weight_bounds_hold_for_any_hidden_state(arch):
+    """The first sync's scales (bounds from the weights alone) are never below what attention receives: random
+    token inputs, hidden states 1e4 times larger than the embeddings, and per layer-0 projection row the hidden
+    state that maximizes it (Qwen2: q/k/v with random biases and norm weights; Qwen3: q_norm/k_norm)."""
+    model = tiny_model(arch, "sdpa")
+    bounds = weight_bounds(model)
+    layers = range(model.config.num_hidden_layers)
+    scales = bounds.scales(layers)
+    assert sorted(scales) == sorted((i, p) for i in layers for p in "qkv")
+    observer = KVRangeObserver()
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    attn0 = model.model.layers[0].self_attn
+    rows = torch.cat([attn0.q_proj.weight, attn0.k_proj.weight, attn0.v_proj.weight])
+    adversarial = rows * model.model.layers[0].input_layernorm.weight.sign()  # each row's own direction, one a token
+    inputs = [torch.randn(1, 16, hidden, generator=gen) * 1e4, adversarial[None], -adversarial[None]]
+    with torch.no_grad(), attention_kv_hook.kv_hook(
+            lambda m, q, k, v: observer.observe(attention_kv_hook.layer_index(m), q, k, v)):
+        model(torch.randint(0, 64, (2, 24), generator=gen))
+        for embeds in inputs:
+            model(inputs_embeds=embeds)
+    for layer, amax in observer.take().items():
+        for part, seen in zip("qkv", amax.tolist()):
+            assert seen <= scales[(layer, part)] * FP8_KV_MAX * (1 + 1e-5), (layer, part, seen)
+
+
+def test_the_weight_bound_of_v_is_reached_by_the_hidden_state_it_assumes():
+    """Layer 0's V (no RoPE) with equal norm weights: the hidden state along the projection row of largest
+    ``sqrt(d) ||W_j|| + |b_j|``, signed as its bias, gives exactly that value (float64 formula; 1e-4: the
+    norm's epsilon and float32), so the bound is the formula and not a looser one."""
+    model = tiny_model("qwen2", "sdpa")
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        layer.input_layernorm.weight.fill_(0.7)
+    w, b = layer.self_attn.v_proj.weight.detach().double(), layer.self_attn.v_proj.bias.detach().double()
+    hidden = w.shape[1]
+    formula = hidden**0.5 * 0.7 * w.norm(dim=-1) + b.abs()
+    j = int(formula.argmax())
+    observer = KVRangeObserver()
+    with torch.no_grad(), attention_kv_hook.kv_hook(
+            lambda m, q, k, v: observer.observe(attention_kv_hook.layer_index(m), q, k, v)):
+        model(inputs_embeds=(torch.sign(b[j]) * w[j] * 100).float()[None, None])
+    bound = weight_bounds(model).bound(0, "v")
+    assert bound == pytest.approx(float(formula.max()), rel=1e-6)
+    assert float(observer.take()[0][2]) == pytest.approx(bound, rel=1e-4)
+
+
+def test_weight_bounds_read_lora_and_prefixed_names_and_need_every_tensor():
+    """verl's LoRA streams name the base weights ``...q_proj.base_layer.weight``; a multimodal checkpoint puts the
+    decoder under a prefix. A layer whose projection or norm never passed gets no scales at all (vLLM's 1.0)."""
+    model = tiny_model("qwen2", "sdpa")
+    plain = weight_bounds(model).scales(range(2))
+    lora = weight_bounds(model, lambda n: n.replace("_proj.weight", "_proj.base_layer.weight"))
+    assert lora.scales(range(2)) == plain
+    assert weight_bounds(model, lambda n: f"model.language_model.{n}").scales(range(2)) == plain
+    bounds = AttentionInputBounds()
+    for name, tensor in model.state_dict().items():
+        if name != "model.layers.1.input_layernorm.weight":
+            bounds.see(name, tensor)
+    assert bounds.scales(range(2)) == {}
+    assert not bounds.see("model.layers.0.mlp.up_proj.weight", torch.ones(2, 2))
 
 
 @torch.no_grad()

@@ -19,6 +19,7 @@ PREVIOUS_KEYS = [
     "checksum",  # added with the replicas' agreement check
     "kv_scale_layers_streamed", "kv_scale_k_min", "kv_scale_k_max", "kv_scale_v_min", "kv_scale_v_max",  # FP8 KV cache
     "base_frozen",  # LoRA adapter syncs
+    "kv_scale_layers_from_weights",  # the first sync's FP8 KV scales, bounded from the streamed weights
 ]
 
 

@@ -9,10 +9,12 @@ a bf16 cache's scales back to vLLM's defaults after every reload.
   each sync rewrites in place (FlashInfer folds host copies into kernel arguments that CUDA graphs keep);
 * trainer: appends the per-layer q/k/v scales (``qurl_verl.quant.kv_cache``) from the ranges the actor's
   training forwards saw since the last sync (``patches.qurl_vllm.actor_kv_ranges``, same on every rank);
-  a sync with no forward since resends the last scales, and the first sync of a run sends none (the
-  engine keeps vLLM's 1.0);
+  a sync with no forward since resends the last scales, and the first sync of a run sends none;
 * worker: takes the scales out of the stream and writes them into the attention layers after the reload
-  (``load_scales``), and resets the scales of layers with a bf16 cache (``reset_unquantized_scales``).
+  (``load_scales``), and resets the scales of layers with a bf16 cache (``reset_unquantized_scales``). Until a
+  stream has carried scales (the first sync), it bounds |q|, |k|, |v| from the streamed weights as they pass
+  (``AttentionInputBounds``) and uses those: vLLM's default 1.0 would clip every value past 448 (the query too,
+  on CUDA), which Qwen2-family q/k biases can reach.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from qurl_verl.quant.kv_cache import KV_PARTS, kv_scales, parse_kv_scale_name
+from qurl_verl.quant.kv_cache import KV_PARTS, AttentionInputBounds, kv_scales, parse_kv_scale_name
 from qurl_verl.rollout.features import SyncFeature, register
 from qurl_verl.rollout.layerwise_reload import WeightReloadError
 from qurl_verl.rollout.sync_stats import stat
@@ -188,12 +190,26 @@ def fp8_cache_layers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return layers
 
 
+def fp8_attention(model: torch.nn.Module) -> dict[str, list]:
+    """What the attention layers with an FP8 cache run, each as the sorted set of what their layers say:
+    ``backends`` (vLLM's backend names), ``impls`` (their classes) and ``quantizes_query``: whether ``forward``
+    quantizes the query to FP8 with ``_q_scale`` (vLLM sets ``query_quant`` for an FP8 cache when the backend's
+    implementation ``supports_quant_query_input``: Triton attention on CUDA, FlashAttention 3; never on CPU)."""
+    layers = list(fp8_cache_layers(model).values())
+    return {
+        "backends": sorted({layer.attn_backend.get_name() for layer in layers}),
+        "impls": sorted({type(layer.impl).__name__ for layer in layers}),
+        "quantizes_query": sorted({getattr(layer, "query_quant", None) is not None
+                                   and bool(getattr(layer.impl, "supports_quant_query_input", False)) for layer in layers}),
+    }
+
+
 def load_scales(layers: dict[int, torch.nn.Module], scales: dict[tuple[int, str], float]) -> dict[str, float]:
     """After a reload: the streamed ``{(layer, part): scale}`` into the FP8 attention layers; returns
     their range (``kv_scale_{k,v}_{min,max}``, empty without FP8 layers).
 
-    No scale in the stream (the first sync, before the actor has run a forward): vLLM's defaults, 1.0,
-    what an FP8 cache without calibration uses. Some but not all: ``WeightReloadError``, never a stale
+    No scales (a first sync whose stream lacked a weight the bounds need, ``AttentionInputBounds``): vLLM's
+    defaults, 1.0, what an FP8 cache without calibration uses. Some but not all: ``WeightReloadError``, never a stale
     scale. A scale for a layer without an FP8 cache, or not finite and > 0: ``WeightReloadError``."""
     from qurl_verl.rollout import vllm_versions
 
@@ -242,9 +258,11 @@ def reset_unquantized_scales(layers: list[torch.nn.Module]) -> None:
 
 @dataclass
 class KVScaleStats:
-    # how many layers took their scales from the stream (0: vLLM's default 1.0 everywhere, the first sync),
+    # how many layers took their scales from the stream (0: the first sync), how many from the bounds of the
+    # streamed weights (the first sync; 0 there: vLLM's default 1.0, a weight the bounds need did not pass),
     # and the range of the K and V scales after the sync (None: no FP8 cache)
     kv_scale_layers_streamed: int = stat(0)
+    kv_scale_layers_from_weights: int = stat(0)
     kv_scale_k_min: float | None = stat()
     kv_scale_k_max: float | None = stat()
     kv_scale_v_min: float | None = stat()
@@ -269,6 +287,9 @@ class KVCacheScales(SyncFeature):
         super().__init__(settings)
         self.last_sent: dict | None = None  # trainer: the scales last sent, {stream name: tensor}
         self.streamed: dict[tuple[int, str], float] = {}  # worker: this sync's, (layer, part) -> scale
+        self.scales_received = False  # worker: a stream has carried scales (from then on, no weight bounds)
+        self.bounds: AttentionInputBounds | None = None
+        self.from_weights: dict[tuple[int, str], float] = {}  # worker: this sync's scales bounded from the weights
 
     @property
     def fp8(self) -> bool:
@@ -322,17 +343,26 @@ class KVCacheScales(SyncFeature):
         self.unquantized = unquantized_cache_layers(sync.model)
         self.fp8_layers = fp8_cache_layers(sync.model)
         self.streamed = {}
+        self.bounds = AttentionInputBounds() if self.fp8_layers and not self.scales_received else None
 
     def take(self, name: str, tensor: torch.Tensor) -> bool:
         kv = parse_kv_scale_name(name)
         if kv is not None:
             self.streamed[kv] = float(tensor)
+        elif self.bounds is not None:
+            self.bounds.see(name, tensor)  # the tensor still goes to the loader
         return kv is not None
 
     def after_finalize(self, sync) -> None:
         with torch.device(sync.device), torch.no_grad():  # 0.24's scale parameters require grad
             reset_unquantized_scales(self.unquantized)
-            self.range = load_scales(self.fp8_layers, self.streamed)
+            scales, self.from_weights = self.streamed, {}
+            if not scales and self.bounds is not None:
+                scales = self.from_weights = self.bounds.scales(self.fp8_layers)
+            self.range = load_scales(self.fp8_layers, scales)
+        self.scales_received |= bool(self.streamed)
+        self.bounds = None
 
     def summarize(self, sync) -> KVScaleStats:
-        return KVScaleStats(kv_scale_layers_streamed=len({layer for layer, _ in self.streamed}), **self.range)
+        return KVScaleStats(kv_scale_layers_streamed=len({layer for layer, _ in self.streamed}),
+                            kv_scale_layers_from_weights=len({layer for layer, _ in self.from_weights}), **self.range)
