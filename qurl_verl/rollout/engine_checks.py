@@ -5,7 +5,6 @@ starts, and again by each server on its own vLLM and hardware."""
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Iterable
 
 from qurl_verl.model_info import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, head_dim, moe_experts, text_config
@@ -283,5 +282,7 @@ def check_vllm_version(version: str | None) -> None:
 
 @functools.cache
 def _warn_once(message: str) -> None:
-    logging.getLogger("qurl_verl").warning(message)
+    from qurl_verl.rollout.console_log import engine_logger
+
+    engine_logger().warning(message)  # a rollout server's root logger is at ERROR (console_log)
 

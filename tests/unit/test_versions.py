@@ -2,6 +2,7 @@
 verl, the verdict a driver, a server or a ``doctor`` reads, and the driver's gate built on it."""
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -94,7 +95,7 @@ def test_the_policy_reads_versions_without_importing_vllm_verl_or_torch():
     ("0.24.0", True, None), ("0.32.0+cpu", True, None), (None, None, None),
     ("0.23.0", False, "refuse"), ("0.28.1", True, "warn"), ("0.40.0", True, "warn"),
 ])
-def test_the_gate_refuses_a_vllm_without_reload_and_warns_of_an_untested_one(version, has_reload, verdict, monkeypatch, caplog):
+def test_the_gate_refuses_a_vllm_without_reload_and_warns_of_an_untested_one(version, has_reload, verdict, monkeypatch):
     """The driver (and each server, on its own vLLM) refuses a vLLM without the reload, naming the vLLM to install,
     and warns once of a release the suite has not run; a tested release passes silently."""
     from qurl_verl.rollout import engine_checks
@@ -106,8 +107,16 @@ def test_the_gate_refuses_a_vllm_without_reload_and_warns_of_an_untested_one(ver
         with pytest.raises(QurlConfigError, match=r"has no layerwise reload .*\(pip install vllm==0\.24\.0\)"):
             engine_checks.check_vllm_version(version)
         return
-    with caplog.at_level("WARNING", logger="qurl_verl"):
+    from qurl_verl.rollout.console_log import engine_logger
+
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    engine_logger().addHandler(handler)  # its own console logger: shown in a server whose root logger is at ERROR
+    try:
         engine_checks.check_vllm_version(version)
         engine_checks.check_vllm_version(version)
-    said = [r.getMessage() for r in caplog.records if "has run on vLLM" in r.getMessage()]
+    finally:
+        engine_logger().removeHandler(handler)
+    said = [r.getMessage() for r in records if "has run on vLLM" in r.getMessage()]
     assert len(said) == (1 if verdict == "warn" else 0), said

@@ -300,12 +300,11 @@ class KVCacheScales(SyncFeature):
 
     def engine_kwargs(self, engine_kwargs: dict, hf_config: Any, model_path: str) -> None:
         if self.fp8:
-            import logging
-
             from vllm.platforms import current_platform
 
             from qurl_verl.model_info import ModelInfo
             from qurl_verl.platform.host import Host
+            from qurl_verl.rollout.console_log import engine_logger
             from qurl_verl.rollout.cuda_kernel_env import nvidia_capability
 
             host = Host.probe()
@@ -315,7 +314,7 @@ class KVCacheScales(SyncFeature):
             backend = fp8_kv_attention_backend(self.settings.kv_cache, nvidia_capability(host.cuda_capability),
                                                engine_kwargs)
             if backend:
-                logging.getLogger("qurl_verl").warning(
+                engine_logger().warning(  # in the server process, whose root logger is at ERROR (console_log)
                     "qurl_vllm: FP8 KV cache on compute capability %s: attention_backend=%s, which reads the K/V "
                     "scales each sync writes", host.cuda_capability, backend)
                 engine_kwargs[ATTENTION_BACKEND_KEY] = backend
