@@ -263,21 +263,28 @@ def test_fp8_kv_cache_off_hopper_gets_an_attention_that_reads_device_scales(capa
     assert fp8_kv_attention_backend(KVCacheFormat.AUTO, capability, engine_kwargs) is None  # a bf16 cache has no scales
 
 
+def fp8_kv_server(monkeypatch, server_module, capability):
+    """A rollout server (no actor, no engine) of an int8 run with an FP8 KV cache on a forced NVIDIA GPU of
+    ``capability``; verl's own ``_preprocess_engine_kwargs`` does nothing, so what it sets is the qurl server's."""
+    from transformers import Qwen2Config
+
+    force_server_host(monkeypatch, server_module, cuda_capability=capability, avx512=True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(server_module.vLLMHttpServer, "_preprocess_engine_kwargs", lambda self, kwargs: None)
+    fake = fake_server("int8", Qwen2Config(architectures=["Qwen2ForCausalLM"], hidden_size=256, num_attention_heads=4),
+                       custom={"qurl": {"kv_cache": "fp8"}})
+    server = server_module.QurlvLLMHttpServer.__new__(server_module.QurlvLLMHttpServer)
+    server.config, server.model_config = fake.config, fake.model_config
+    return server
+
+
 def test_server_passes_the_attention_backend_vllm_parses(server_module, monkeypatch):
     """Through the server's ``_preprocess_engine_kwargs`` on a forced Ada GPU: the FP8 cache dtype and the Triton
     backend, a value vLLM's own ``AttentionConfig`` parser turns into its backend enum."""
     attention = pytest.importorskip("vllm.config.attention")
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    force_server_host(monkeypatch, server_module, cuda_capability=(8, 9), avx512=True)
-    monkeypatch.setattr(torch.version, "hip", None)
-    monkeypatch.setattr(server_module.vLLMHttpServer, "_preprocess_engine_kwargs", lambda self, kwargs: None)
-    from transformers import Qwen2Config
-
-    fake = fake_server("int8", Qwen2Config(architectures=["Qwen2ForCausalLM"], hidden_size=256, num_attention_heads=4),
-                       custom={"qurl": {"kv_cache": "fp8"}})
-    server = server_module.QurlvLLMHttpServer.__new__(server_module.QurlvLLMHttpServer)  # no actor, no engine
-    server.config, server.model_config = fake.config, fake.model_config
+    server = fp8_kv_server(monkeypatch, server_module, (8, 9))
     kwargs = {}
     server._preprocess_engine_kwargs(kwargs)
     assert kwargs["kv_cache_dtype"] == "fp8_e4m3" and kwargs["attention_backend"] == "TRITON_ATTN"
@@ -322,16 +329,8 @@ def test_server_refuses_an_fp8_kv_cache_below_sm89(server_module, monkeypatch, c
     as a GPU's: not a CPU."""
     from vllm.platforms import current_platform
 
-    force_server_host(monkeypatch, server_module, cuda_capability=capability, avx512=True)
-    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
-    monkeypatch.setattr(server_module.vLLMHttpServer, "_preprocess_engine_kwargs", lambda self, kwargs: None)
-    from transformers import Qwen2Config
-
-    fake = fake_server("int8", Qwen2Config(architectures=["Qwen2ForCausalLM"], hidden_size=256, num_attention_heads=4),
-                       custom={"qurl": {"kv_cache": "fp8"}})
-    server = server_module.QurlvLLMHttpServer.__new__(server_module.QurlvLLMHttpServer)  # no actor, no engine
-    server.config, server.model_config = fake.config, fake.model_config
+    server = fp8_kv_server(monkeypatch, server_module, capability)
     kwargs = {}
     if refused:
         with pytest.raises(QurlConfigError, match=FP8_KV_BELOW_SM89):
