@@ -3,6 +3,7 @@
 test_forced_cuda_int8_kernels.py`` and ``test_forced_cuda_fp8_kernels.py`` read them with."""
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 
@@ -198,6 +199,24 @@ FORCED_CUDA_INT8_EXTENSION = f"{__name__}.ForcedCudaInt8WorkerExtension"
 BLACKWELL = (10, 0)
 
 
+@contextlib.contextmanager
+def engine_env_restored():
+    """Every variable ``engine_policy.set_engine_env`` may set, as it was before the block: an engine's workers
+    inherit them while it starts, later engines and ``main_ppo`` runs of the test process must not (a runner pin
+    already in the environment would hide the server's own)."""
+    from qurl_verl.rollout.engine_policy import ENGINE_ENV_VARS
+
+    saved = {name: os.environ.get(name) for name in ENGINE_ENV_VARS}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def start_triton_int8_engine(model_dir, settings, environment, **engine_args):
     """An engine whose INT8 linears run vLLM's CUDA ``TritonInt8ScaledMMLinearKernel``, chosen by vLLM's selector
     under the rollout server's own environment for a Blackwell GPU (``engine_policy.set_engine_env``: Cutlass disabled),
@@ -209,11 +228,9 @@ def start_triton_int8_engine(model_dir, settings, environment, **engine_args):
     from qurl_verl.rollout.engine_policy import set_engine_env
 
     environment.delenv(DISABLED_KERNELS_ENV, raising=False)
-    set_engine_env(settings, BLACKWELL)
-    try:
+    with engine_env_restored():
+        set_engine_env(settings, BLACKWELL)
         llm = start_engine(model_dir, settings, extension=FORCED_CUDA_INT8_EXTENSION, **engine_args)
-    finally:
-        os.environ.pop(DISABLED_KERNELS_ENV, None)
     (records,) = llm.collective_rpc("probe_tensor_records")
     return llm, records
 

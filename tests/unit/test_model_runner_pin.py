@@ -125,6 +125,14 @@ def test_a_users_own_runner_choice_is_kept_and_mrv2_warned(gpu_vllm, monkeypatch
     assert any("Model Runner V2" in r.getMessage() and "has not run" in r.getMessage() for r in qurl_warnings)
 
 
+def test_a_v1_runner_already_in_the_environment_is_said_too(gpu_vllm, monkeypatch, qurl_warnings):
+    """A pin set before the server (by the user, or a launcher) is kept and the server still says which runner runs."""
+    monkeypatch.setenv(USE_V2_MODEL_RUNNER_ENV, "0")
+    apply_quantization_on_cpu_host(monkeypatch, qurl_server("LlamaForCausalLM"))
+    assert not vllm_picks_v2(gpu_vllm, "LlamaForCausalLM")
+    assert [r for r in qurl_warnings if "VLLM_USE_V2_MODEL_RUNNER=0, vLLM's V1 model runner (already set" in r.getMessage()]
+
+
 def test_a_stock_vllm_server_keeps_vllms_choice(gpu_vllm):
     """verl's own server (``rollout.name=vllm``) with the plugin loaded: nothing set, MRv2 stays vLLM's default."""
     import os
