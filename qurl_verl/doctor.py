@@ -228,7 +228,7 @@ def check_cuda(preset: str, host: Any, devices: int, rollout: Callable[[str], di
     from qurl_verl.rollout.engine_checks import check_fp8_hardware, check_int8_hardware
     from qurl_verl.rollout.features.kv_cache_scales import check_fp8_kv_gpu
     from qurl_verl.rollout.model_runner import USE_V2_MODEL_RUNNER_ENV, model_runner_env, user_chose_v2
-    from qurl_verl.settings import PLATFORM_ENV, ROLLOUT_CUSTOM_KEY, QurlConfigError, RolloutFormat, RolloutSettings
+    from qurl_verl.settings import PLATFORM_ENV, ROLLOUT_CUSTOM_KEY, QurlConfigError, RolloutSettings
 
     name = "CUDA"
     if not host.cuda_available:
@@ -245,12 +245,11 @@ def check_cuda(preset: str, host: Any, devices: int, rollout: Callable[[str], di
     if preset not in presets():
         return warn(name, f"{found}; preset '{preset}' unknown, its format not checked")
     try:
-        node = rollout(preset)
-        fmt = RolloutFormat(str(node.get("quantization", "bf16")).lower())
-        settings = RolloutSettings(format=fmt)
+        settings = RolloutSettings.from_rollout_config(rollout(preset))
+        fmt = settings.format
         check_fp8_hardware(settings, capability)
         check_int8_hardware(settings, capability)
-        if str(((node.get("custom") or {}).get("qurl") or {}).get("kv_cache", "auto")).lower() == "fp8":
+        if settings.kv_cache.quantized:
             check_fp8_kv_gpu(f"{ROLLOUT_CUSTOM_KEY}.kv_cache=fp8", capability)
     except QurlConfigError as e:
         return fail(name, f"{found}: {e}")
