@@ -1,8 +1,10 @@
-"""The package's shape as the README describes it: module size, the layout table, one version."""
+"""The package's shape as the architecture page describes it: module size, the layout table, one version."""
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,16 +17,20 @@ else:  # pragma: no cover
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "qurl_verl"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"  # its `## Layout` section holds the layout table
 # Past this a module holds two concerns (DESIGN.md): split it rather than raise the number.
 MAX_MODULE_LINES = 400
 
 
+def layout_section() -> str:
+    """The architecture page's `## Layout` section, up to the next section."""
+    return ARCHITECTURE.read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+
+
 def layout_table() -> list[str]:
-    """The paths in the first column of the README's layout table (``| `path` | what |`` rows)."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    """The paths in the first column of the layout table (``| `path` | what |`` rows)."""
     paths = []
-    for line in section.splitlines():
+    for line in layout_section().splitlines():
         if line.startswith("| `"):
             first = line.split("|")[1]
             paths += re.findall(r"`([^`]+)`", first)
@@ -51,7 +57,7 @@ def test_every_path_in_the_layout_table_exists():
 def test_the_layout_table_names_every_part_of_the_package():
     """Each module and subpackage directly under qurl_verl/ has a row (a private module may be named
     inside another row's text)."""
-    text = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    text = layout_section()
     parts = [p for p in PACKAGE.iterdir() if (p.suffix == ".py" and p.name != "__init__.py")
              or (p.is_dir() and (p / "__init__.py").exists())]
     unnamed = [p.name for p in parts if f"qurl_verl/{p.name}" not in text]
@@ -67,10 +73,24 @@ def test_one_version():
 
 
 def test_the_build_is_declared_in_pyproject_alone():
-    """PEP 621 metadata, built by setuptools; no legacy setup.py beside it, and the licence it names is there."""
-    assert not (ROOT / "setup.py").exists() and not (ROOT / "setup.cfg").exists()
+    """PEP 621 metadata, built by setuptools; setup.py is a shim that passes nothing to setup(), no setup.cfg,
+    and the licence it names is there."""
+    assert not (ROOT / "setup.cfg").exists()
+    shim = ast.parse((ROOT / "setup.py").read_text())
+    calls = [n for n in ast.walk(shim) if isinstance(n, ast.Call)]
+    assert [(c.func.id, c.args, c.keywords) for c in calls] == [("setup", [], [])]
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "setuptools" for n in shim.body)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["build-system"]["build-backend"] == "setuptools.build_meta"
     assert project["project"]["license"] == "Apache-2.0" and project["project"]["license-files"] == ["LICENSE"]
     assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
     assert project["project"]["entry-points"]["verl.plugins"] == {"qurl": "qurl_verl._verl_plugin"}
+
+
+def test_setup_py_reports_pyproject_name_and_version():
+    """What `python setup.py --name --version` prints, for tools that still ask it, is pyproject's."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    done = subprocess.run([sys.executable, "setup.py", "--name", "--version"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [project["name"], qurl_verl.__version__]

@@ -1,8 +1,10 @@
 """The rewards the shipped recipes name are in the wheel: built from a copy of the packaging files, unzipped
 into a folder, and loaded the way verl's reward worker loads them (`load_extern_object("pkg://...")`), from
-another directory and with no repository on `sys.path`."""
+another directory and with no repository on `sys.path`. The same wheel, built with the `setup.py` shim beside
+`pyproject.toml`, carries pyproject's metadata and nothing else."""
 from __future__ import annotations
 
+import email
 import json
 import re
 import shutil
@@ -13,6 +15,14 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+
+import qurl_verl
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE_CONFIGS = ROOT / "qurl_verl" / "hydra_configs" / "qurl_recipe"
@@ -99,3 +109,21 @@ def test_recipe_rewards_load_from_the_installed_package_only(installed, tmp_path
     line = next((x for x in p.stdout.splitlines() if x.startswith("SCORES ")), None)
     assert line is not None, p.stderr[-3000:]
     assert json.loads(line[7:]) == {m: ex[3] for m, ex in EXAMPLES.items()}
+
+
+def test_the_wheel_built_beside_the_setup_py_shim_has_pyproject_metadata(installed):
+    """`setup.py` only calls `setup()`: the wheel's name, version, requirements, extras and entry point are
+    pyproject.toml's [project] table, so the two files cannot disagree."""
+    assert (ROOT / "setup.py").is_file() and "setup.py" in PACKAGING  # the wheel above was built with it
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (info,) = installed.glob("qurl_verl-*.dist-info")
+    meta = email.message_from_string((info / "METADATA").read_text())
+    assert (meta["Name"], meta["Version"]) == (project["name"], qurl_verl.__version__)
+    assert (meta["Summary"], meta["Requires-Python"]) == (project["description"], project["requires-python"])
+    assert meta["License-Expression"] == project["license"]
+    extras = project["optional-dependencies"]
+    assert sorted(meta.get_all("Provides-Extra")) == sorted(extras)
+    expected = set(project["dependencies"]) | {f'{r}; extra == "{e}"' for e, rs in extras.items() for r in rs}
+    assert {str(Requirement(r)) for r in meta.get_all("Requires-Dist")} == {str(Requirement(r)) for r in expected}
+    entry_points = (info / "entry_points.txt").read_text()
+    assert "[verl.plugins]\nqurl = qurl_verl._verl_plugin" in entry_points
