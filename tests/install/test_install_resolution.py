@@ -41,7 +41,7 @@ def test_the_setup_resolves_from_the_public_index_alone(stack):
 
 
 def test_the_gpu_install_resolves_to_the_versions_verl_declares(tmp_path):
-    """README's GPU line, ``pip install ".[gpu]"`` from this repository: verl 0.9.1 with the CUDA
+    """The GPU line of docs/install.md, ``pip install ".[gpu]"`` from this repository: verl 0.9.1 with the CUDA
     vLLM, torch and transformers its own [vllm] extra pins, and no conflict."""
     import json
 
@@ -53,4 +53,4 @@ def test_the_gpu_install_resolves_to_the_versions_verl_declares(tmp_path):
     assert versions["vllm"] == "0.24.0"
     assert versions["torch"] == "2.11.0"
     assert versions["transformers"] == "5.9.0"
-    assert "flash-attn" not in versions  # not on the index as a wheel: the README's separate step
+    assert "flash-attn" not in versions  # not on the index as a wheel: docs/install.md's separate step
