@@ -1,10 +1,11 @@
 """What qurl-verl does in the driver, inside verl's ``validate_config``, before Ray starts.
 
-For a config that uses qurl-verl (``settings.uses_qurl``): check it, with one message that names
-the key to change (``checks``: one table of rows over the config, its settings, the model's
-``config.json`` read once and the host probed once), then say what runs in 8 bits, build what the
-workers would each build, and apply UAQ to the checkpoint once, pointing the actor at the result
-(``prepare``). Every other config passes through untouched: stock verl runs in a shared
+For a config that uses qurl-verl (``settings.uses_qurl``): refuse verl's legacy trainer where
+``main_ppo`` would run it (``trainer_modes``); check the config, with one message that names the key
+to change (``checks``: one table of rows over the config, its settings, the model's ``config.json``
+read once and the host probed once); then say what runs in 8 bits and what a disaggregated rollout's
+full-precision sync leaves out, build what the workers would each build, and apply UAQ to the
+checkpoint once, pointing the actor at the result (``prepare``). Every other config passes through untouched: stock verl runs in a shared
 environment behave as if the plugin were not installed.
 """
 from __future__ import annotations

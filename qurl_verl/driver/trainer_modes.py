@@ -11,6 +11,9 @@ whether its workers may run on a node other than the driver's.
   before Ray starts).
 * Ray is a cluster started outside the run when ``RAY_ADDRESS`` is set (``Host.outside_ray_cluster``) or
   ``ray_kwargs.ray_init.address`` names one (``local`` starts a new one-node cluster, as no address does).
+
+The driver refuses the legacy trainer, requires shared UAQ storage where a worker may run off its node
+(``uaq_checks``), and says once when a disaggregated quantized rollout syncs in full precision.
 """
 from __future__ import annotations
 

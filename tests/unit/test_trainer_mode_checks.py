@@ -212,3 +212,43 @@ def test_no_warning_where_the_metrics_reach_the_trainer(cpu_driver, caplog, over
     preset = [f"+qurl={o.split('=')[1]}" for o in overrides if o.startswith("preset=")] or ["+qurl=int8"]
     main_ppo_driver(compose_ppo_config([*RECIPE, *preset, cpu_driver, *(o for o in overrides if not o.startswith("preset="))]))
     assert sync_warnings(caplog) == []
+
+
+# ---------------------------------------------------------------------------------- inside a TaskRunner
+class TaskRunnerStandIn:
+    """One-step-off's TaskRunner as far as the qurl hook reaches: verl's ``validate_config`` on the config it got,
+    inside a Ray actor (``verl/experimental/one_step_off_policy/main_ppo.py``, ``OneStepTaskRunner.run``)."""
+
+    def run(self, overrides: list[str]) -> dict:
+        import logging
+
+        said = []
+        handler = logging.Handler()
+        handler.emit = lambda record: said.append(record.getMessage())
+        logging.getLogger("qurl_verl").addHandler(handler)
+        try:
+            validate_like_main_ppo(compose_experimental("one_step_off_policy", overrides))
+            verdict = "ok"
+        except Exception as e:  # noqa: BLE001 - the verdict is the result
+            verdict = f"{type(e).__name__}: {e}"
+        return {"verdict": verdict, "warnings": [s for s in said if "stay on the rollout side" in s]}
+
+
+def test_a_taskrunner_actor_leaves_the_trainer_and_the_warning_to_the_driver(cpu_driver):
+    """Inside an actor, verl's ``validate_config`` is not ``main_ppo``'s: one-step-off's TaskRunner never runs the
+    legacy trainer, whatever ``trainer.use_v1`` says, and the driver has already said what the sync leaves out."""
+    import sys
+
+    import ray
+
+    overrides = [*INT8, cpu_driver, "trainer.use_v1=false", "rollout.n_gpus_per_node=1"]
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
+        "PYTHONPATH": ":".join(p for p in sys.path if p), "VERL_PLATFORM": "cpu", "QURL_DRY_RUN": "1"}})
+    try:
+        result = ray.get(ray.remote(num_cpus=1)(TaskRunnerStandIn).remote().run.remote(overrides), timeout=300)
+    finally:
+        ray.shutdown()
+    assert result["verdict"] == "ok" and result["warnings"] == [], result
+    with pytest.raises(QurlConfigError, match=r"trainer.use_v1=false: verl 0.9.1's main_ppo would run"):
+        validate_like_main_ppo(compose_experimental("one_step_off_policy", overrides))  # the same call in the driver
