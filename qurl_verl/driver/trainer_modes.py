@@ -33,6 +33,7 @@ from qurl_verl.settings.keys import (
     USE_V1_KEY,
 )
 
+FULLY_ASYNC, ONE_STEP_OFF = "fully_async_policy", "one_step_off_policy"  # verl/experimental/<entry point>
 # ray.init's address that starts a new cluster on this machine, as no address does
 RAY_LOCAL_ADDRESS = "local"
 
@@ -71,7 +72,7 @@ class RolloutPool:
 def rollout_pool(cfg: Any) -> RolloutPool | None:
     """The rollout's own pool, None where the rollout shares the trainer's GPUs (sync, colocate_async)."""
     if select(cfg, STANDALONE_ROLLOUT_NNODES_KEY) is not None:
-        mode = "fully_async_policy" if select(cfg, ASYNC_TRAINING_NODE) is not None else "one_step_off_policy"
+        mode = FULLY_ASYNC if select(cfg, ASYNC_TRAINING_NODE) is not None else ONE_STEP_OFF
         return RolloutPool(mode, STANDALONE_ROLLOUT_NNODES_KEY, _count(select(cfg, STANDALONE_ROLLOUT_NNODES_KEY)))
     if select(cfg, TRAINER_MODE_KEY) == SEPARATE_ASYNC_MODE and not runs_legacy_trainer(cfg):
         return RolloutPool(f"{TRAINER_MODE_KEY}={SEPARATE_ASYNC_MODE}", ROLLOUT_NNODES_KEY,
@@ -120,15 +121,23 @@ def in_ray_actor() -> bool:
 def full_precision_sync_warning(cfg: Any, rollout: RolloutSettings | None) -> str | None:
     """What a quantized ``qurl_vllm`` rollout with its own pool loses with a full-precision checkpoint engine:
     the rollout side still quantizes and measures each sync, but verl 0.9.1 drops what its
-    CheckpointEngineWorker returns, so those metrics never reach the trainer's logger. None where it does not
-    apply (colocated modes, a bf16 rollout, the ``qurl_int8`` engine)."""
+    CheckpointEngineWorker returns, so those metrics never reach the trainer's logger; ``qurl_int8`` brings them
+    back with what its sender returns, which verl keeps except in the fully-async trainer
+    (``fully_async_trainer._fit_update_weights`` awaits ``update_weights`` and drops its result). None where
+    it does not apply (colocated modes, a bf16 rollout, the ``qurl_int8`` engine)."""
     pool = rollout_pool(cfg)
     backend = select(cfg, CHECKPOINT_ENGINE_KEY)
     if pool is None or rollout is None or not rollout.quantized or backend == INT8_SYNC_BACKEND:
         return None
+    int8_sync = f"{CHECKPOINT_ENGINE_KEY}={INT8_SYNC_BACKEND}"
+    if pool.mode == FULLY_ASYNC:
+        instead = (f"; {FULLY_ASYNC} also drops what the sender returns, so no engine brings them to the trainer's "
+                   f"logger there. {int8_sync} sends 8-bit codes and scales instead of full-precision weights")
+    else:
+        instead = (f". {int8_sync} carries them to the trainer's logger, and sends 8-bit codes and scales instead of "
+                   f"full-precision weights")
     return (
         f"[qurl] {pool.mode} syncs its own rollout pool through {CHECKPOINT_ENGINE_KEY}={show(backend)} in full "
         f"precision: the qurl sync metrics (actor/qurl/sync/*) of those replicas stay on the rollout side, since "
-        f"verl drops the results of its CheckpointEngineWorker. {CHECKPOINT_ENGINE_KEY}={INT8_SYNC_BACKEND} carries "
-        f"them to the trainer's logger, and sends 8-bit codes and scales instead of full-precision weights"
+        f"verl drops the results of its CheckpointEngineWorker{instead}"
     )
