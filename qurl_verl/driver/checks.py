@@ -288,8 +288,8 @@ CHECKS = (
     # UAQ
     Check("UAQ comes with the quantized rollout", lambda r: not _qurl_vllm(r),
           lambda r: check_uaq_has_its_rollout(r.settings.uaq.enable), f"set {UAQ_KEY}.enable=false"),
-    Check("UAQ on several nodes writes to shared storage", always,
-          lambda r: check_uaq_storage(r.cfg, r.settings.uaq, r.model), SHARED_STORAGE_FIX),
+    Check("UAQ read on other nodes than the driver's is written to shared storage", always,
+          lambda r: check_uaq_storage(r.cfg, r.settings.uaq, r.model, r.host), SHARED_STORAGE_FIX),
     Check("a resumed run carries the UAQ it was trained with", always,
           lambda r: check_resumed_uaq(r.cfg, r.settings.uaq), "start in a new trainer.default_local_dir"),
 )

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from qurl_verl.driver.trainer_modes import off_this_node
 from qurl_verl.model_info import ModelInfo, dtype_bytes
 from qurl_verl.patches.cpu_platform.vllm_cpu_thread_binding import BIND_ENV
 from qurl_verl.platform.host import Host
 from qurl_verl.settings import (
     BUCKET_MB_KEY,
     GPUS_PER_NODE_KEY,
-    NNODES_KEY,
     ROLLOUT_NAME_KEY,
     ROLLOUT_PARALLEL_KEYS,
     TRAINER_DTYPE_KEY,
@@ -113,8 +113,8 @@ def rollout_ranks_per_node(cfg: Any) -> int:
 
 
 def runs_on_this_machine(cfg: Any, host: Host) -> bool:
-    """Ray's workers run here: main_ppo starts its own one-node cluster."""
-    return not host.outside_ray_cluster and int(select(cfg, NNODES_KEY, 1)) == 1
+    """Ray's workers run here: main_ppo starts its own one-node cluster (``trainer_modes.off_this_node``)."""
+    return off_this_node(cfg, host) is None
 
 
 def check_cpu_for_each_rank(cfg: Any, host: Host, environ: Any) -> None:

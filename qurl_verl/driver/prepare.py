@@ -1,6 +1,6 @@
 """What the driver does once a config passed its checks: say what runs in 8 bits, warn about slow CPU
-formats, build the packed AVX2 INT8 GEMM once, and apply UAQ to the checkpoint (the one change to the
-config: the actor is pointed at the converted copy)."""
+formats, build the packed AVX2 INT8 GEMM once, and apply UAQ to the checkpoint (the changes to the
+config: the actor is pointed at the converted copy, and the rollout told the UAQ it carries)."""
 from __future__ import annotations
 
 import logging
@@ -21,6 +21,7 @@ from qurl_verl.settings import (
     dry_run,
     select,
 )
+from qurl_verl.settings.keys import ROLLOUT_UAQ_KEY
 
 logger = logging.getLogger("qurl_verl")
 
@@ -55,13 +56,23 @@ def prepare_cpu_int8_gemm(rollout: RolloutSettings) -> None:
         cpu_int8_gemm.load()  # logs and returns False if it cannot be built; the workers then use oneDNN
 
 
+def tell_rollout_uaq(cfg: Any, uaq: UaqSettings) -> None:
+    """The UAQ the rollout servers check the checkpoint for (``custom.qurl_uaq``, interpolated by the presets from
+    ``qurl.uaq``) follows the driver's decision: off where the driver leaves UAQ out (LoRA adapters)."""
+    node = select(cfg, ROLLOUT_UAQ_KEY)
+    if node is not None and bool(select(node, "enable", False)) != uaq.enable:
+        node["enable"] = uaq.enable
+
+
 def prepare_config(cfg: Any, uaq: UaqSettings, log=print) -> None:
-    """The one change qurl-verl makes to a checked config: point the actor at its UAQ checkpoint.
+    """The change qurl-verl makes to a checked config: point the actor at its UAQ checkpoint.
 
     The checkpoint at ``actor_rollout_ref.model.path`` is converted once (or found in the cache,
     or used as is when it already carries the same UAQ) and the path is rewritten, so the trainer,
-    the reference policy and the rollout all start from the re-parametrised weights.
+    the reference policy and the rollout all start from the re-parametrised weights. The rollout is
+    told which UAQ its checkpoint carries (``tell_rollout_uaq``).
     """
+    tell_rollout_uaq(cfg, uaq)
     if not uaq.enable:
         return
     from qurl_verl.uaq_checkpoint import ensure_uaq_checkpoint

@@ -1,25 +1,36 @@
-"""UAQ beside the run's layout: on several nodes the converted checkpoint must be on shared storage, and
-a resumed run must carry the UAQ it was trained with (verl reloads its own checkpoint over model.path)."""
+"""UAQ beside the run's layout: where workers may run off the driver's node the converted checkpoint must be
+on shared storage, and a resumed run must carry the UAQ it was trained with (verl reloads its own checkpoint
+over model.path)."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 from typing import Any
 
+from qurl_verl.driver.trainer_modes import off_this_node
 from qurl_verl.model_info import ModelInfo
+from qurl_verl.platform.host import Host
 from qurl_verl.settings import MODEL_PATH_KEY, UAQ_KEY, QurlConfigError, UaqSettings, select, show
 
 SHARED_STORAGE_FIX = f"set {UAQ_KEY}.cache_dir=<shared folder>"
 
 
-def check_uaq_storage(cfg: Any, uaq: UaqSettings, model: ModelInfo) -> None:
-    """UAQ on several nodes needs shared storage, unless model.path already carries it."""
-    nnodes = select(cfg, "trainer.nnodes", 1)
-    if uaq.enable and isinstance(nnodes, int) and nnodes > 1 and not uaq.cache_dir and not carries_uaq(model):
+def check_uaq_storage(cfg: Any, uaq: UaqSettings, model: ModelInfo, host: Host) -> None:
+    """UAQ whose workers may run on another node than the driver's needs shared storage, unless model.path
+    already carries it: more than one trainer node, a disaggregated rollout pool of more than one node, or a
+    Ray cluster started outside the run (``trainer_modes.off_this_node``). Everything on this one node (one
+    trainer node, a rollout pool of one node, Ray started by the run) reads the driver's default cache."""
+    if not uaq.enable or uaq.cache_dir or carries_uaq(model):
+        return
+    reason = off_this_node(cfg, host)
+    if reason:
+        from qurl_verl.uaq_checkpoint import DEFAULT_CACHE
+
         raise QurlConfigError(
-            f"trainer.nnodes={nnodes} with UAQ: the driver writes the converted checkpoint and every node's workers "
-            f"read it, so it must be on storage all nodes share; {SHARED_STORAGE_FIX} (or convert "
-            f"once with `python -m qurl_verl.quant.uaq_convert` onto shared storage, point {MODEL_PATH_KEY} at it)"
+            f"{reason} with UAQ: the driver writes the converted checkpoint (by default under {DEFAULT_CACHE}, on "
+            f"its own node) and every worker reads it, so it must be on storage all nodes share; {SHARED_STORAGE_FIX} "
+            f"(or convert once with `python -m qurl_verl.quant.uaq_convert` onto shared storage, point "
+            f"{MODEL_PATH_KEY} at it)"
         )
 
 

@@ -1,6 +1,6 @@
 """What a ``qurl_vllm`` engine can run: the installed vLLM (the version gate), the model's architecture, quantized
 MoE experts on that vLLM (and not under CUDA graphs), FP8 on the GPU's compute capability, block FP8's shard
-shapes, FP8 formats on a CPU. Checked in the driver before Ray
+shapes, FP8 formats on a CPU; and, in the servers only, the UAQ record the run asked for. Checked in the driver before Ray
 starts, and again by each server on its own vLLM and hardware."""
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from collections.abc import Iterable
 from qurl_verl.model_info import REFUSED_ARCHITECTURES, SUPPORTED_ARCHITECTURES, head_dim, moe_experts, text_config
 from qurl_verl.quant.compressed_tensors_format import is_ignored
 from qurl_verl.quant.formats import DEFAULT_BLOCK_SIZE
+from qurl_verl.quant.uaq import CONFIG_KEY as UAQ_CONFIG_KEY
 from qurl_verl.settings import (
+    MODEL_PATH_KEY,
     QUANTIZATION_KEY,
     ROLLOUT_CUSTOM_KEY,
     ROLLOUT_DTYPE_KEY,
@@ -22,7 +24,11 @@ from qurl_verl.settings import (
     QurlConfigError,
     RolloutFormat,
     RolloutSettings,
+    UaqSettings,
+    select,
+    show,
 )
+from qurl_verl.settings.keys import ROLLOUT_UAQ_KEY, UAQ_KEY
 from qurl_verl.versions import W8A8_INT8_EXPERTS_VLLM, vllm_has_reload_api, vllm_release, vllm_verdict
 
 ENFORCE_EAGER_KEY = f"{ROLLOUT_KEY}.enforce_eager"
@@ -286,3 +292,43 @@ def _warn_once(message: str) -> None:
 
     engine_logger().warning(message)  # a rollout server's root logger is at ERROR (console_log)
 
+
+
+def requested_uaq(rollout_config: object) -> UaqSettings:
+    """The UAQ the rollout's checkpoint must carry, as the rollout's config hands it to the server
+    (``custom.qurl_uaq``: the presets interpolate it from ``qurl.uaq``, the driver rewrites it when it decides
+    otherwise); off where the config has none."""
+    node = select(rollout_config, ROLLOUT_UAQ_KEY.removeprefix(f"{ROLLOUT_KEY}."))
+    if node is None:
+        return UaqSettings()
+    values = {k: v for k, v in dict(node.items()).items() if v is not None}
+    return UaqSettings.from_config({UAQ_KEY.split(".")[0]: {UAQ_KEY.split(".")[1]: values}})
+
+
+def check_uaq_record(asked: UaqSettings, hf_config: dict, model: str) -> None:
+    """Refuse to start a model without the UAQ record its settings ask for.
+
+    qurl-verl's driver converts the checkpoint before Ray starts and points the run at the copy, which
+    carries the record. An entry point that starts inside a running Ray skips the driver (verl 0.9.1's
+    ``run_ppo`` prepares Ray's runtime environment only ``if not ray.is_initialized()``, and the
+    fully-async entry point has no other driver check), and would train and roll out the unconverted
+    weights, with nothing said."""
+    if not asked.enable:
+        return
+    record = hf_config.get(UAQ_CONFIG_KEY)
+    fix = (f"or convert it once with `python -m qurl_verl.quant.uaq_convert --model {model} --out <folder>` and set "
+           f"{MODEL_PATH_KEY}=<folder>, or set {UAQ_KEY}.enable=false")
+    if record is None:
+        raise QurlConfigError(
+            f"{UAQ_KEY}.enable=true, but {model} carries no UAQ record ({UAQ_CONFIG_KEY} in its config.json): "
+            "qurl-verl's driver, which converts the checkpoint before Ray starts, did not run for this run (verl "
+            "skips it when Ray is already initialized, e.g. a fully_async_policy run started inside a Ray job). "
+            f"Start the run from a process without Ray, so the driver converts the checkpoint, {fix}"
+        )
+    scale, targets = float(record.get("scale", 0)), sorted(record.get("targets") or [])
+    if abs(scale - asked.scale) > 1e-12 or targets != sorted(asked.targets):
+        raise QurlConfigError(
+            f"{model} carries UAQ {record}, but {UAQ_KEY}.scale={asked.scale:g} and {UAQ_KEY}.targets="
+            f"{show(sorted(asked.targets))}: UAQ is applied once; set them to the checkpoint's values, or point "
+            f"{MODEL_PATH_KEY} at the unconverted checkpoint and start the run from a process without Ray"
+        )

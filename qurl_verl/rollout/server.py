@@ -12,6 +12,8 @@ Only the hooks verl 0.9.1 exposes for subclasses are overridden
   streamed codes (``cuda_kernel_env``), through the environment the engine's processes inherit. Quantized MoE experts are checked against this
   server's own vLLM and platform (``engine_checks.check_quantized_experts``), as in the driver. All of it is
   ``engine_policy.prepare_engine``, which the GPU check (``tests/gpu/check_qurl_vllm_cuda.py``) calls too.
+  First, the model must carry the UAQ record the rollout's config asks for (``engine_checks.check_uaq_record``):
+  the safety net of a run whose driver checks were skipped (an entry point started inside a running Ray).
 * ``_preprocess_engine_kwargs``: the run's settings into vLLM's ``additional_config``, where every worker
   reads them, and what each sync feature adds to the engine's arguments, checked on this server's host
   (``SyncFeature.engine_kwargs``; ``engine_policy.qurl_engine_kwargs``, as in the GPU check). A user's ``engine_kwargs.vllm.hf_overrides`` (the DAPO recipe's longer
@@ -38,6 +40,7 @@ from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, 
 
 from qurl_verl.patches import qurl_vllm_server as qurl_vllm_server_patches
 from qurl_verl.platform.host import Host
+from qurl_verl.rollout.engine_checks import check_uaq_record, requested_uaq
 from qurl_verl.rollout.engine_policy import prepare_engine, qurl_engine_kwargs
 from qurl_verl.rollout.worker_extension import QurlWorkerExtension
 from qurl_verl.settings import LAYERWISE_RELOAD_WORKER_ENV, RolloutSettings
@@ -48,10 +51,12 @@ class QurlvLLMHttpServer(vLLMHttpServer):
         import vllm
         from vllm.platforms import current_platform
 
+        hf_config = self.model_config.hf_config.to_dict()
+        check_uaq_record(requested_uaq(self.config), hf_config, model=str(self.model_config.path))
         host = Host.probe()
         return prepare_engine(
             RolloutSettings.from_rollout_config(self.config), vllm_version=vllm.__version__,
-            hf_config=self.model_config.hf_config.to_dict(), model_path=self.model_config.path,
+            hf_config=hf_config, model_path=self.model_config.path,
             tensor_parallel=int(self.config.tensor_model_parallel_size or 1), capability=host.cuda_capability,
             on_cpu=current_platform.is_cpu(), amx=host.amx, enforce_eager=bool(self.config.enforce_eager),
             dtype=self.config.dtype)

@@ -39,6 +39,20 @@ LORA_NESTED_RANK_KEY = "actor_rollout_ref.model.lora.rank"  # verl reads it firs
 LORA_MERGE_KEY = "actor_rollout_ref.model.lora.merge"
 NNODES_KEY = "trainer.nnodes"
 GPUS_PER_NODE_KEY = "trainer.n_gpus_per_node"
+# verl 0.9.1's main_ppo runs the v1 trainer when this is truthy, else the legacy main_ppo_v0 (deprecated)
+USE_V1_KEY = "trainer.use_v1"
+TRAINER_MODE_KEY = "trainer.v1.trainer_mode"  # sync, colocate_async, separate_async
+SEPARATE_ASYNC_MODE = "separate_async"
+# the rollout's own pool: separate_async places its standalone replicas on this many nodes
+ROLLOUT_NNODES_KEY = f"{ROLLOUT_KEY}.nnodes"
+# the one-step-off and fully-async entry points' rollout pool (their mains copy it into ROLLOUT_NNODES_KEY);
+# the fully-async config alone has ASYNC_TRAINING_NODE
+STANDALONE_ROLLOUT_NNODES_KEY = "rollout.nnodes"
+ASYNC_TRAINING_NODE = "async_training"
+RAY_INIT_ADDRESS_KEY = "ray_kwargs.ray_init.address"  # a Ray cluster to join (ray.init's address)
+# the UAQ the rollout's checkpoint must carry, as the presets hand it to the rollout servers (which see only the
+# rollout's config): interpolated from qurl.uaq, rewritten by the driver when it decides otherwise
+ROLLOUT_UAQ_KEY = f"{ROLLOUT_KEY}.custom.qurl_uaq"
 
 ROLLOUT_NAME = "qurl_vllm"
 DRY_RUN_ENV = "QURL_DRY_RUN"

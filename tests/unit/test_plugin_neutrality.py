@@ -62,6 +62,8 @@ STOCK = {
     "missing_local_path": [*BASE, "actor_rollout_ref.model.path=/nonexistent/model"],
     "vanilla_loss_with_bypass": [*BASE, "actor_rollout_ref.model.path=/m", "algorithm.rollout_correction.bypass_mode=true"],
     "stock_verl_refuses": [*BASE, "actor_rollout_ref.model.path=/m", "actor_rollout_ref.actor.ppo_micro_batch_size=4"],
+    # the legacy trainer, which the driver refuses for qurl runs only
+    "legacy_trainer": [*BASE, "actor_rollout_ref.model.path=/m", "trainer.use_v1=false"],
 }
 QURL = {"qurl_rollout_missing_path": [*BASE[:1], *BASE[2:], "actor_rollout_ref.rollout.name=qurl_vllm",
                                       "actor_rollout_ref.model.path=/nonexistent/model"]}
