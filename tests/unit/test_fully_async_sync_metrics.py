@@ -81,8 +81,11 @@ def stock_method():
 QURL = {"qurl": {"preset": "int8"}}
 
 
-def test_the_plugin_wrapped_verls_trainer_class():
-    """``import verl`` applied the patch to the class ``@ray.remote`` made the actor from."""
+def test_the_plugin_wrapped_the_method_verls_actor_runs():
+    """``import verl`` applied the patch to the class ``@ray.remote`` made the actor from and to the subclass Ray
+    ships to the actor's process (the one whose method the actor calls)."""
+    shipped = trainer_module.FullyAsyncTrainer.__ray_metadata__.modified_class
+    assert is_wrapped(shipped._fit_update_weights, patch._MARK)
     assert is_wrapped(patch.remote_class(trainer_module.FullyAsyncTrainer)._fit_update_weights, patch._MARK)
     assert patch.apply() == ""  # already done
 
@@ -116,3 +119,11 @@ def test_a_call_that_syncs_nothing_logs_nothing(ray_get_of_values):
     t.local_trigger_step = 2
     assert asyncio.run(patch.logging_sync_metrics(stock_method())(t)) is None
     assert t.logger.rows == [] and t.checkpoint_manager.calls == []
+
+
+def test_the_method_the_actor_runs_logs_each_sync_once(ray_get_of_values):
+    """Both classes are wrapped, and Ray's copy calls the original it captured: one row of the engine's report."""
+    t = trainer(QURL)
+    shipped = trainer_module.FullyAsyncTrainer.__ray_metadata__.modified_class
+    asyncio.run(shipped._fit_update_weights(t))
+    assert t.logger.rows == [(3, ROLLOUTER_TIMING), (3, ENGINE_REPORT)]

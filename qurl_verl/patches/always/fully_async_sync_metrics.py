@@ -2,7 +2,8 @@
 
 Targets: verl 0.9.1, ``FullyAsyncTrainer._fit_update_weights``
 (``verl/experimental/fully_async_policy/fully_async_trainer.py:690-790``), a method of the class that
-``@ray.remote`` wraps.
+``@ray.remote`` wraps (Ray 2.60 copies it, behind its tracing wrapper, into the subclass the actor runs: both
+are wrapped, and the copy calls the original, so a sync is logged once).
 
 Why: a checkpoint engine reports each sync through the return value of ``CheckpointEngineManager.update_weights``;
 verl's separate_async and one_step_off trainers merge it into the step's metrics
@@ -28,9 +29,20 @@ _MARK = "_qurl_logs_sync_metrics"
 
 
 def remote_class(actor):
-    """The class ``@ray.remote`` made ``actor`` from (its methods are that class's), or ``actor`` itself."""
+    """The class ``@ray.remote`` made ``actor`` from, or ``actor`` itself."""
     metadata = getattr(actor, "__ray_metadata__", None)
     return metadata.modified_class.__ray_actor_class__ if metadata is not None else actor
+
+
+def classes_to_wrap(actor, name: str) -> list:
+    """Where the actor's method ``name`` is looked up: the class it was made from and, where Ray copied the
+    method into the subclass it ships to the actor's process (its tracing wrapper, which calls the original
+    function it captured at decoration), that subclass too."""
+    metadata = getattr(actor, "__ray_metadata__", None)
+    if metadata is None:
+        return [actor]
+    modified = metadata.modified_class
+    return [modified.__ray_actor_class__] + ([modified] if name in vars(modified) else [])
 
 
 def logging_sync_metrics(original):
@@ -66,7 +78,9 @@ def logging_sync_metrics(original):
 
 
 def patch_trainer(module) -> str:
-    return wrap_once(remote_class(module.FullyAsyncTrainer), "_fit_update_weights", logging_sync_metrics, _MARK)
+    did = [wrap_once(cls, "_fit_update_weights", logging_sync_metrics, _MARK)
+           for cls in classes_to_wrap(module.FullyAsyncTrainer, "_fit_update_weights")]
+    return ", ".join(d for d in did if d)
 
 
 PATCH = Patch(
