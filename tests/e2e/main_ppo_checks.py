@@ -213,8 +213,8 @@ def disaggregated_int8_sync(r: RunResult, start_resent: bool = False) -> None:
     sender's checksum of sync k and the rollout's report of sync k - 1, the first of them the init sync's: the
     starting checkpoint quantized directly here. ``start_resent``: the trainer's step 1 syncs before its first
     update (one_step_off), so that sync sends the starting weights again, the same codes."""
-    for row in r.rows:
-        assert row["actor/grad_norm"] > 0, row
+    for row in r.rows:  # step 2's batch is one update stale: measured k3 ~2e-2 (one_step_off), within the bound
+        assert row["actor/grad_norm"] > 0 and 0 <= row["actor/qurl/kl_behav_prox_k3"] < KL_BOUND, row
     int8_syncs_reported(r.rows, unsharded_checksum(r.uaq_dir), start_resent)
 
 
