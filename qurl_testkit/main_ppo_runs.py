@@ -1,4 +1,5 @@
-"""verl's own ``python -m verl.trainer.main_ppo`` on CPU, through the tiny CPU recipe, under a deadline.
+"""verl's own ``python -m verl.trainer.main_ppo`` (or another of its entry points) on CPU, through the tiny CPU
+recipe, under a deadline.
 
 Every run has a deadline well under CI's 90 minutes. The recipe runs in a session of its own;
 when the deadline passes, or once the recipe has exited, every process left in that session or
@@ -29,6 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "recipes" / "tiny_cpu" / "run.sh"
 TERM_GRACE_S = 15
 LOG_TAIL_CHARS = 6000
+MAIN_PPO = "verl.trainer.main_ppo"
+# verl 0.9.1's other entry points, with their own Hydra configs (the recipe's MAIN_MODULE)
+ONE_STEP_OFF_POLICY = "verl.experimental.one_step_off_policy.main_ppo"
+FULLY_ASYNC_POLICY = "verl.experimental.fully_async_policy.fully_async_main"
 
 
 def processes_of_run(root: psutil.Process | None, session_id: int) -> list[psutil.Process]:
@@ -108,11 +113,13 @@ def run_in_own_session(cmd: list[str], env: dict, log_dir: Path, timeout: float,
 
 
 def run_recipe(out: Path, steps: int, *overrides: str, preset: str = "int8", timeout: int = 900,
-               inputs: RecipeInputs | None = None) -> tuple[subprocess.CompletedProcess, list[dict]]:
+               inputs: RecipeInputs | None = None,
+               main_module: str = MAIN_PPO) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """``recipes/tiny_cpu/run.sh`` with ``overrides``, its outputs in ``out``; (the process, the metrics rows).
     ``inputs``: a model, data and UAQ cache built earlier (the recipe builds its own under ``out`` otherwise;
-    a ``MODEL_DIR`` in the environment still wins)."""
-    env = {**os.environ, "OUT": str(out), "STEPS": str(steps), "PRESET": preset, "PYTHON": sys.executable}
+    a ``MODEL_DIR`` in the environment still wins). ``main_module``: verl's entry point the recipe runs."""
+    env = {**os.environ, "OUT": str(out), "STEPS": str(steps), "PRESET": preset, "PYTHON": sys.executable,
+           "MAIN_MODULE": main_module}
     if inputs is not None:
         env = {**inputs.env(), **env}
     proc = run_in_own_session(["bash", str(RUN), *overrides], env, out, timeout)

@@ -9,7 +9,9 @@
 # MODEL_DIR / DATA_DIR (default: built under OUT) point at another model or train/val parquet pair;
 # TASK (default arithmetic) picks the task: arithmetic (one operation, 16-token responses) or
 # chain_arithmetic (multi-step, solutions written out, 64-token responses, exact final-answer reward);
-# the default DATA_DIR of a non-default task is OUT/data_<TASK>, so the tasks never share files.
+# the default DATA_DIR of a non-default task is OUT/data_<TASK>, so the tasks never share files;
+# MAIN_MODULE (default verl.trainer.main_ppo) picks verl's entry point, e.g.
+# verl.experimental.one_step_off_policy.main_ppo or verl.experimental.fully_async_policy.fully_async_main.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -18,6 +20,7 @@ out="${OUT:-$root/outputs/tiny_cpu}"
 steps="${STEPS:-3}"
 preset="${PRESET:-int8}"
 task="${TASK:-arithmetic}"
+main_module="${MAIN_MODULE:-verl.trainer.main_ppo}"
 case "$task" in
   arithmetic) data_dir_default="$out/data"; max_response_length=16 ;;
   chain_arithmetic) data_dir_default="$out/data_$task"; max_response_length=64 ;;
@@ -47,7 +50,7 @@ export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0
 start=$(date +%s)
 # The recipe is the Hydra config `+qurl_recipe=tiny_cpu` (qurl_verl/hydra_configs/qurl_recipe/
 # tiny_cpu.yaml); what changes from run to run (model, data, task, steps) is given here.
-"$py" -m verl.trainer.main_ppo \
+"$py" -m "$main_module" \
   +qurl_recipe=tiny_cpu \
   "${preset_arg[@]}" \
   data.train_files="$data/train.parquet" \

@@ -25,15 +25,22 @@ class RunResult:
     steps: int
     uaq_dir: Path  # where the driver wrote the UAQ-converted checkpoint
     fp8_kv: bool  # the run had the FP8 KV cache
+    trained_rows: int | None = None  # the rows of training metrics the trainer logs for ``steps``; None: one a step
 
     @property
     def log(self) -> str:
         return self.proc.stdout + self.proc.stderr
 
+    @property
+    def trained(self) -> list[dict]:
+        """The rows of a training step's metrics (a trainer may log other rows: fully_async's timings)."""
+        return [row for row in self.rows if "actor/grad_norm" in row]
+
     def assert_completed(self) -> None:
         assert self.proc.returncode == 0, (self.proc.stdout[-3000:], self.proc.stderr[-6000:])
-        assert len(self.rows) == self.steps, self.rows
-        assert f"[summary] steps: {self.steps}" in self.proc.stdout
+        expected = self.steps if self.trained_rows is None else self.trained_rows
+        assert len(self.trained) == expected and (self.trained_rows is not None or self.trained == self.rows), self.rows
+        assert f"[summary] steps: {expected}" in self.proc.stdout
 
 
 def fp8_kv_cache_on_this_cpu() -> bool:
@@ -88,7 +95,9 @@ def async_mismatch_beside_staleness(r: RunResult) -> None:
     assert staleness[0] == 0 and all(s >= 1 for s in staleness[1:]), staleness
     for row in r.rows:
         # k3 = E[r - 1 - log r] is >= 0 sample by sample; k1 = E[-log r] may come out below 0 on a batch
-        assert row["actor/qurl/sync/total_s"] > 0 and row["actor/qurl/kl_behav_prox_k3"] >= 0, row
+        assert row["actor/qurl/kl_behav_prox_k3"] >= 0, row
+        # a sync every step, reported by the colocated sync or by the checkpoint engine to a standalone rollout
+        assert row.get("actor/qurl/sync/total_s", 0) > 0 or row.get("qurl_sync/seconds", 0) > 0, row
 
 
 def kv_scales_streamed(r: RunResult) -> None:
@@ -196,22 +205,93 @@ def unsharded_checksum(uaq_dir: Path) -> int:
     return stream.stats.checksum
 
 
-def disaggregated_int8_sync(r: RunResult) -> None:
-    """``checkpoint_engine.backend=qurl_int8`` in ``separate_async``: the trainer quantized the 14 linears and sent
-    codes + scales + the rest; the rollout's report of the previous sync arrived with each (the init sync's with
-    step 1's); the rollout loaded the codes as they came, quantizing nothing itself; and after the init sync it
-    held exactly the stream checksum of the starting checkpoint quantized directly here: the codes crossed bit
-    for bit."""
-    for step, row in enumerate(r.rows, start=1):
-        assert row["qurl_sync/quantized_tensors"] == LINEARS and row["qurl_sync/payload_bytes"] > 0, row
-        assert row["qurl_sync/rollout_reports"] == 1 and row["actor/qurl/sync/sync"] == step, row
-        assert row["actor/qurl/sync/quantized"] == 0 and row["actor/qurl/sync/tensors_in"] > 2 * LINEARS, row
+def disaggregated_int8_sync(r: RunResult, start_resent: bool = False) -> None:
+    """``checkpoint_engine.backend=qurl_int8`` to a standalone rollout (verl's ``separate_async``,
+    ``one_step_off_policy``): the trainer quantized the 14 linears and sent codes + scales + the rest; the rollout
+    loaded the codes as they came, quantizing nothing itself, and its report of each sync reached the logger with
+    the next one. The init sync's own return value reaches no row (verl drops it), so step k's row carries the
+    sender's checksum of sync k and the rollout's report of sync k - 1, the first of them the init sync's: the
+    starting checkpoint quantized directly here. ``start_resent``: the trainer's step 1 syncs before its first
+    update (one_step_off), so that sync sends the starting weights again, the same codes."""
+    for row in r.rows:  # step 2's batch is one update stale: measured k3 ~2e-2 (one_step_off), within the bound
         assert row["actor/grad_norm"] > 0 and 0 <= row["actor/qurl/kl_behav_prox_k3"] < KL_BOUND, row
-    assert replica_checksums(r.rows[0]) == {"replica_0": unsharded_checksum(r.uaq_dir)}
+    int8_syncs_reported(r.rows, unsharded_checksum(r.uaq_dir), start_resent)
 
 
-def replica_checksums(row: dict) -> dict[str, float]:
-    return {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("actor/qurl/sync/checksum/")}
+def int8_syncs_reported(rows: list[dict], first_reported: float, start_resent: bool = False) -> None:
+    """Rows that each carry a ``qurl_int8`` sync's return value, in order: the sender's checksum of that sync and
+    the rollout's report of the sync before it (``first_reported``: the sender's checksum of the sync the first row
+    reports). At every sync every replica held exactly the codes that were sent, and a sync after an optimizer
+    step sent new codes (``start_resent``: except the first row's, which sent the starting weights again)."""
+    for row in rows:
+        assert row["qurl_sync/quantized_tensors"] == LINEARS and row["qurl_sync/payload_bytes"] > 0, row
+        assert row["qurl_sync/rollout_reports"] == 1, row
+        assert row["qurl_sync/rollout/quantized"] == 0 and row["qurl_sync/rollout/tensors_in"] > 2 * LINEARS, row
+        # the rollout's report under qurl_sync/, the loss's metrics under actor/qurl/: no key shared
+        assert not [k for k in row if k.startswith(COLOCATED_REPORTS)], row
+    sent = [first_reported] + [row["qurl_sync/checksum"] for row in rows]  # by sync, the first reported first
+    assert [row["qurl_sync/rollout/sync"] for row in rows] == list(range(1, len(rows) + 1)), rows
+    for sync, row in enumerate(rows):
+        assert replica_checksums(row, DISAGGREGATED_REPORTS) == {"replica_0": sent[sync]}, (sync, row, sent)
+    for sync in range(1, len(sent)):
+        if start_resent and sync == 1:
+            assert sent[1] == sent[0], sent
+        else:
+            assert sent[sync] != sent[sync - 1], (sync, sent)
+
+
+def fully_async_int8_sync(r: RunResult) -> None:
+    """verl's ``fully_async_policy``: each sync's return value is a row of its own (``qurl_verl.patches.always.
+    fully_async_sync_metrics``; verl drops it), the init sync's included: it sent the starting checkpoint quantized
+    directly here, and every later sync's row carries the rollout's report of the one before. verl logs a step's
+    training metrics with the next sync, so the last step's never reach the logger (``trained_rows``)."""
+    syncs = [row for row in r.rows if "qurl_sync/checksum" in row]
+    assert len(syncs) == r.steps + 1, r.rows  # the init sync, then one after each step
+    init, *later = syncs
+    assert init["qurl_sync/checksum"] == unsharded_checksum(r.uaq_dir), init
+    assert init["qurl_sync/quantized_tensors"] == LINEARS and init["qurl_sync/payload_bytes"] > 0, init
+    int8_syncs_reported(later, init["qurl_sync/checksum"])
+    for row in r.trained:
+        assert row["actor/grad_norm"] > 0 and not [k for k in row if k.startswith(COLOCATED_REPORTS)], row
+
+
+def one_step_off_int8_sync(r: RunResult) -> None:
+    """verl's ``one_step_off_policy``: step k syncs before its update (the rollout of step k + 1 starts with it), so
+    step 1 sends the starting weights again; its row and every later one carry the 8-bit sync's metrics."""
+    disaggregated_int8_sync(r, start_resent=True)
+
+
+def standalone_rollout_trained(r: RunResult) -> None:
+    """What the ACR loss logs under a trainer whose rollout runs ahead of the update (one_step_off, fully_async):
+    step 1's batch came from the starting weights, so its mismatch is the 8-bit rollout's alone; later batches add
+    a step of staleness, so only the sign and ACR's truncation hold there."""
+    first = r.trained[0]
+    assert 0 <= first["actor/qurl/kl_behav_prox_k3"] < KL_BOUND, first
+    for row in r.trained:
+        assert row["actor/grad_norm"] > 0 and math.isfinite(row["actor/qurl/kl_behav_prox_k3"]), row
+        assert row["actor/qurl/kl_behav_prox_k3"] >= 0 and 1.0 <= row["actor/qurl/w_max"] <= 2.0, row
+
+
+def uaq_prepared_by_the_runtime_env(r: RunResult) -> None:
+    """An entry point that skips verl's ``validate_config`` in the driver (one_step_off, fully_async): the
+    runtime-env wrapper ran the qurl checks and UAQ before Ray started, and the workers found the converted
+    checkpoint the driver wrote."""
+    assert "this entry point skips verl's validate_config: running qurl-verl's driver checks" in r.log
+    assert "[qurl] UAQ (s=1.5, q_proj/k_proj/v_proj) applied" in r.log
+    assert "[qurl] qurl_vllm: VLLM_USE_V2_MODEL_RUNNER=0, vLLM's V1 model runner" in r.log
+    (checkpoint,) = r.uaq_dir.iterdir()
+    assert checkpoint.name.startswith("model-uaq1.5-"), checkpoint
+
+
+# where a row carries the rollout's report of a sync: the colocated sync's in the actor's metrics (verl's
+# ``actor/`` prefix), a checkpoint engine's to a standalone rollout in the sender's return value
+COLOCATED_REPORTS = "actor/qurl/sync/"
+DISAGGREGATED_REPORTS = "qurl_sync/rollout/"
+
+
+def replica_checksums(row: dict, reports: str = COLOCATED_REPORTS) -> dict[str, float]:
+    """``replica_<i>``: the checksum that rollout replica reported for what it loaded."""
+    return {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith(f"{reports}checksum/")}
 
 
 def tp2_ranks_agree(r: RunResult) -> None:

