@@ -122,20 +122,16 @@ def full_precision_sync_warning(cfg: Any, rollout: RolloutSettings | None) -> st
     """What a quantized ``qurl_vllm`` rollout with its own pool loses with a full-precision checkpoint engine:
     the rollout side still quantizes and measures each sync, but verl 0.9.1 drops what its
     CheckpointEngineWorker returns, so those metrics never reach the trainer's logger; ``qurl_int8`` brings them
-    back with what its sender returns, which verl keeps except in the fully-async trainer
-    (``fully_async_trainer._fit_update_weights`` awaits ``update_weights`` and drops its result). None where
-    it does not apply (colocated modes, a bf16 rollout, the ``qurl_int8`` engine)."""
+    back with what its sender returns (which the fully-async trainer drops, and
+    ``patches/always/fully_async_sync_metrics`` logs for qurl runs). None where it does not apply (colocated
+    modes, a bf16 rollout, the ``qurl_int8`` engine)."""
     pool = rollout_pool(cfg)
     backend = select(cfg, CHECKPOINT_ENGINE_KEY)
     if pool is None or rollout is None or not rollout.quantized or backend == INT8_SYNC_BACKEND:
         return None
     int8_sync = f"{CHECKPOINT_ENGINE_KEY}={INT8_SYNC_BACKEND}"
-    if pool.mode == FULLY_ASYNC:
-        instead = (f"; {FULLY_ASYNC} also drops what the sender returns, so no engine brings them to the trainer's "
-                   f"logger there. {int8_sync} sends 8-bit codes and scales instead of full-precision weights")
-    else:
-        instead = (f". {int8_sync} carries them to the trainer's logger, and sends 8-bit codes and scales instead of "
-                   f"full-precision weights")
+    instead = (f". {int8_sync} carries them to the trainer's logger, and sends 8-bit codes and scales instead of "
+               f"full-precision weights")
     return (
         f"[qurl] {pool.mode} syncs its own rollout pool through {CHECKPOINT_ENGINE_KEY}={show(backend)} in full "
         f"precision: the qurl sync metrics (actor/qurl/sync/*) of those replicas stay on the rollout side, since "
