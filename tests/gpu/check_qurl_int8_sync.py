@@ -75,7 +75,7 @@ CHECKSUM_METRIC = "qurl_sync/checksum"
 ENGINE_SENDS_TIED_LM_HEAD = True
 TIED_LM_HEAD = "lm_head.weight"
 ROLLOUT_DTYPE = "bfloat16"  # verl's default rollout dtype: what the rest is sent in (``--rest-dtype``)
-# The GPU run's model: the Qwen2 shape of check_qurl_vllm_cuda.py (about 50 M parameters, 200 MB of fp32 masters,
+# The GPU run's model: the Qwen2 shape of check_qurl_vllm_cuda.py (about 45 M parameters, 180 MB of fp32 masters,
 # several buckets); the dry run keeps the default tiny spec (0.4 M parameters).
 GPU_MODEL_SPEC = dict(hidden_size=1024, num_layers=4, num_heads=16, num_kv_heads=4, intermediate_size=2816)
 GPU_BUCKET_BYTES = 16 << 20
