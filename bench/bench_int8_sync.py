@@ -33,7 +33,7 @@ import time
 import bench_harness  # noqa: F401 - sys.path first
 import torch
 import torch.multiprocessing as mp
-from bench_harness import RESULTS, environment, write_result
+from bench_harness import RESULTS, environment, loadavg, write_result
 from roofline_shapes import MODEL_SHAPES, ModelShape
 
 from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
@@ -248,11 +248,13 @@ def markdown(report: dict) -> str:
     if fp32 and eight:
         rate = sum(r["payload_bytes"] for r in fp32) / sum(r["send_s"] for r in fp32) / 1e9
         wire = [r["send_s"] - r["quantize_s"] for r in eight]
-        lines += ["", f"Seconds: loopback gloo moves {rate:.2f} GB/s here, and the trainer side quantizes on one CPU "
-                  "thread, serially with the broadcasts (a bucket is quantized, then sent). So on this machine the "
-                  f"8-bit sync's transfer shrinks with its bytes (send minus quantize: {min(wire):.2f} to "
-                  f"{max(wire):.2f} s) while the quantizer takes the rest: the time saved is a network's, where the "
-                  "bytes are the cost (below) and the quantizer runs on the trainer's GPU."]
+        lines += ["", f"Seconds: the fp32 streams moved {rate:.2f} GB/s through loopback gloo here; send minus quantize "
+                  f"of the 8-bit streams: {min(wire):.2f} to {max(wire):.2f} s. The trainer side quantizes on one CPU "
+                  "thread, serially with the broadcasts (a bucket is quantized, then sent). These seconds are a shared "
+                  f"2-core machine's (load average {env['loadavg'][0]:.1f} at the start, "
+                  f"{report.get('loadavg_end', [float('nan')])[0]:.1f} at the last write; every sync's seconds in the "
+                  "json): they vary by 2x between repeats and say nothing about a network, where the bytes are the "
+                  "cost (below) and the quantizer runs on the trainer's GPU."]
     lines += ["", f"## Bytes per sync from the shapes, and the network time at {LINK_GBPS} Gb/s (one replica)", "",
               "Ratios to verl's fp32 stream. In brackets: the previous accounting (the tied lm_head in neither "
               "stream), then the engine at 0.2.0 (it sends the tied duplicate, which the rollout worker drops); both "
@@ -284,6 +286,7 @@ def main(argv=None) -> int:
     for key in args.models:
         for row in measure(MODEL_SHAPES[MODELS[key]], args.formats, args.repeats, MODELS[key]):
             report["results"].append(row)
+            report["loadavg_end"] = loadavg()
             print(f"{key} {row['format']}: {row['payload_bytes'] / 1e9:.3f} GB, send {row['send_s']:.2f}s "
                   f"(quantize {row['quantize_s']:.2f}s), receive {row['receive_s']:.2f}s", flush=True)
         write_result(RESULTS / "int8_sync", report, markdown(report))
