@@ -2,7 +2,9 @@
 
 For a user's machine with 2 CUDA GPUs and the user's own verl 0.9.1 install (verl, Ray, torch with NCCL,
 transformers; vLLM is not needed: no engine starts), plus qurl-verl (``pip install -e .``). Run it from the
-repository root (``qurl_recipes`` builds the tiny model and is not in the wheel). No network.
+repository root (``qurl_recipes`` builds the tiny model and is not in the wheel). No network. It is not for a bare
+GPU box with torch alone: the engine is verl's plugin, built through verl's registry, so without verl or Ray it
+says so and exits 2.
 
     python tests/gpu/check_qurl_int8_sync.py                 # 2 GPUs: 2 syncs over NCCL, well under a minute
     python tests/gpu/check_qurl_int8_sync.py --dry-run       # CPU only: the same flow over gloo
@@ -46,14 +48,15 @@ permutation within a tensor keeps it.)
 ``--dry-run`` (CPU only): the same script with ``engine_kwargs["device"] = "cpu"`` (the engine's gloo transport)
 and CPU-only Ray actors: everything but NCCL and the memory check runs.
 
-Without 2 GPUs (and no ``--dry-run``) it prints ``SKIPPED`` and exits 0. Otherwise it exits 0 when every check
-passed, 1 on any failure (a timeout included). Writes the result (every check, the engine's metrics, the memory
+Without 2 GPUs (and no ``--dry-run``) it prints ``SKIPPED`` and exits 0; without verl or Ray it exits 2. Otherwise
+it exits 0 when every check passed, 1 on any failure (a timeout included). Writes the result (every check, the engine's metrics, the memory
 numbers, versions, seconds) as JSON to ``--out``.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -374,6 +377,11 @@ def main(argv=None) -> int:
         print(f"SKIPPED: this check needs 2 CUDA GPUs, {torch.cuda.device_count()} visible "
               "(--dry-run runs its flow on a CPU)", flush=True)
         return 0
+    missing = [m for m in ("verl", "ray", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"CANNOT RUN: {', '.join(missing)} not installed; this check runs in a verl 0.9.1 environment "
+              "(verl, Ray, transformers) with qurl-verl", flush=True)
+        return 2
     started = time.monotonic()
     result = {"dry_run": args.dry_run, "versions": versions(), "argv": sys.argv[1:] if argv is None else list(argv)}
     try:

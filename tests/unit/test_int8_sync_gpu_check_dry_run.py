@@ -14,7 +14,7 @@ quantizes the true weights). Syncs 1-2 must pass every check (the flow works and
 fail the bit comparison and the checksum against the direct quantization while the checksum of what arrived still
 matches the sender's (the checks can fail, and tell the transport from the sender), and the run exits 1. Measured on
 2 shared cores: 17-30 s, most of it Ray's start. A run on a machine without 2 GPUs and without ``--dry-run``
-prints SKIPPED and exits 0.
+prints SKIPPED and exits 0; one without verl says it cannot run and exits 2.
 """
 from __future__ import annotations
 
@@ -92,3 +92,13 @@ def test_without_two_gpus_it_says_skipped_and_exits_0(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("SKIPPED: this check needs 2 CUDA GPUs, 0 visible"), proc.stdout
     assert not (tmp_path / "result.json").exists()
+
+
+def test_without_verl_it_says_it_cannot_run_and_exits_2(tmp_path):
+    hide_verl = ("import runpy, sys\nsys.modules['verl'] = None\nsys.argv = [sys.argv[1], '--dry-run']\n"
+                 "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", hide_verl, str(SCRIPT)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr[-3000:])
+    assert proc.stdout.startswith("CANNOT RUN: verl not installed"), proc.stdout
