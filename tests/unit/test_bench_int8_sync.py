@@ -1,0 +1,95 @@
+"""bench/bench_int8_sync.py: its byte counts against models built by transformers, and one measured sync.
+
+The bench's committed ratios (``bench/results/int8_sync.md``) and its 7B / 32B rows come from ``stream_bytes``, a
+count from the model's shapes; its measured rows must equal it. Here the count is held to an independent
+reference: a real Qwen2 / Qwen3 module's ``state_dict`` (what verl's FSDP engine streams, a tied ``lm_head.weight``
+included) for verl's stream, and ``quantize_state_dict`` of that state_dict, the rest cast, the tied lm_head left
+out, for what ``qurl_int8`` sends. Then one sync per stream through the engine in two processes, as the bench runs.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))  # the script and its modules import each other as when run by path
+
+import bench_int8_sync  # noqa: E402
+from roofline_shapes import ModelShape  # noqa: E402
+
+from qurl_verl.quant.compressed_tensors_format import quantize_state_dict  # noqa: E402
+from qurl_verl.settings import RolloutSettings  # noqa: E402
+
+DIMS = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=96,
+            vocab_size=300)
+
+
+def tiny_module(arch: str, tied: bool):
+    import transformers
+
+    config_cls, model_cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    config = config_cls(**DIMS, tie_word_embeddings=tied, head_dim=32)
+    torch.manual_seed(0)
+    return model_cls(config).float(), config
+
+
+def shape_of(config, arch: str) -> ModelShape:
+    return ModelShape(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                      config.num_key_value_heads, config.head_dim, config.intermediate_size, config.vocab_size,
+                      config.tie_word_embeddings, arch == "qwen2", arch == "qwen3", "test")
+
+
+def qurl_bytes(state: dict[str, torch.Tensor], fmt: str, tied: bool) -> int:
+    """What qurl_int8 sends, counted from a direct quantization of the state_dict."""
+    quantization, _, rest = fmt.partition("+")
+    settings = RolloutSettings(format=quantization)
+    named = ((n, t) for n, t in state.items() if not (tied and n == "lm_head.weight"))
+    total = 0
+    for name, t in quantize_state_dict(named, settings.quant_scheme, ignore=settings.ignore_patterns):
+        if rest and t.element_size() > 1 and not name.endswith("weight_scale"):
+            t = t.to(torch.bfloat16)
+        total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen2", True), ("qwen2", False), ("qwen3", True)])
+def test_stream_bytes_count_what_the_state_dict_and_the_direct_quantization_hold(arch, tied):
+    model, config = tiny_module(arch, tied)
+    state = model.state_dict()
+    shared = state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    assert shared == tied  # a tied model's state_dict holds the embedding under both names
+    s = shape_of(config, arch)
+    # verl's stream: every state_dict tensor in fp32, the tied duplicate included
+    assert bench_int8_sync.stream_bytes(s, "fp32") == sum(t.numel() * t.element_size() for t in state.values())
+    for fmt in ("int8", "int8+bf16", "fp8", "fp8+bf16"):
+        assert bench_int8_sync.stream_bytes(s, fmt) == qurl_bytes(state, fmt, tied), fmt
+    ratio = bench_int8_sync.stream_bytes(s, "int8+bf16") / bench_int8_sync.stream_bytes(s, "fp32")
+    previous = (bench_int8_sync.stream_bytes(s, "int8+bf16", tied_lm_head_sent=False)
+                / bench_int8_sync.stream_bytes(s, "fp32", tied_lm_head_sent=False))
+    assert (ratio < previous) if tied else ratio == previous
+
+
+def test_the_bench_streams_the_state_dict_names_and_shapes():
+    model, config = tiny_module("qwen2", True)
+    s = shape_of(config, "qwen2")
+    layer, embed = bench_int8_sync.layer_tensors(s), torch.zeros(s.vocab_size, s.hidden_size)
+    streamed = {n: tuple(t.shape) for n, t in bench_int8_sync.model_stream(s, layer, embed, embed)}
+    assert streamed == {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    sent = dict(bench_int8_sync.qurl_stream(s, bench_int8_sync.model_stream(s, layer, embed, embed)))
+    if bench_int8_sync.ENGINE_KWARGS_SKIPPING_TIED_LM_HEAD is None:  # the bench leaves it out for the engine
+        assert set(streamed) - set(sent) == {"lm_head.weight"}
+
+
+def test_one_sync_through_the_engine_carries_the_counted_bytes():
+    """``measure`` asserts each payload equals ``stream_bytes``; the tied duplicate arrives in verl's stream only."""
+    s = ModelShape(64, 2, 2, 1, 32, 96, 300, True, True, False, "test")
+    fp32, eight = bench_int8_sync.measure(s, ["fp32", "int8+bf16"], 1, "tiny")
+    for row in (fp32, eight):
+        assert row["payload_bytes"] == bench_int8_sync.stream_bytes(s, row["format"])
+        assert row["baseline_bytes"] == bench_int8_sync.stream_bytes(s, "fp32")
+    assert fp32["tied_lm_head_received"] is True and eight["tied_lm_head_received"] is False
+    assert set(fp32["dtype_bytes"]) == {"float32"} and set(eight["dtype_bytes"]) == {"int8", "float32", "bfloat16"}
