@@ -185,10 +185,13 @@ def decode_into(base: torch.Tensor | None, encoded: EncodedTensor, shape: torch.
     if encoded.values.dtype != torch.uint8 or encoded.values.numel() != encoded.changed * element_size:
         raise ValueError(f"{encoded.changed} changed {dtype} elements need {encoded.changed * element_size} value "
                          f"bytes, got {encoded.values.numel()} {encoded.values.dtype}")
+    values = encoded.values.contiguous()
+    if values.storage_offset() % element_size:  # a slice of a larger byte buffer: viewed wider only when aligned
+        values = values.clone()
     if encoded.encoding is Encoding.FULL:
         if encoded.changed != numel or encoded.index.numel():
             raise ValueError(f"a full tensor of {numel} elements came as {encoded.changed} with an index")
-        full = encoded.values.view(dtype).view(shape)
+        full = values.view(dtype).view(shape)
         if base is None:
             return full.clone()
         base.copy_(full)
@@ -204,5 +207,5 @@ def decode_into(base: torch.Tensor | None, encoded: EncodedTensor, shape: torch.
         positions = decode_gaps(encoded.index, encoded.changed, numel)
     if not base.is_contiguous():
         raise ValueError("the receiver's copy must be contiguous to take a delta in place")
-    _bits(base)[positions] = encoded.values.view(_SAME_SIZE_INT[element_size])
+    _bits(base)[positions] = values.view(_SAME_SIZE_INT[element_size])
     return base
