@@ -18,14 +18,18 @@ holds (``NO_BASE`` after a (re)start or a payload it could not apply) and the ch
 rebuilt (``StreamStats.add_checksum``). The sender sends in full when:
 
 - it has no copy (its first sync), or ``full_sync_every`` syncs have passed since the last full one;
-- a replica's base is not the sync it sent last (it restarted, lost its copy, or missed a sync), or a
-  report is missing;
+- a replica's base is not the sync it sent last (it restarted, lost its copy, or missed a sync), a
+  report is missing, or the sender's previous sync stopped half-way (its copy mixes two syncs);
 - a replica's checksum differs from the one the sender computed for that sync (a payload corrupted on the
   way: detected one sync late, so the next sync is full).
 
-The last two are counted in ``full_resyncs``. A delta sync whose base is not the receiver's copy (which the
-reports make impossible unless a replica joined between the gather and the send) is still read to its end,
-never applied: the receiver marks its copy lost, yields nothing, and the next sync is full.
+The last two are counted in ``full_resyncs``. A sync a receiver cannot apply (a delta against a base it does
+not hold, which the reports rule out unless a replica joined between the gather and the send; a malformed
+payload) is still read to its end, so no peer is left waiting: from the fault on nothing more is handed on
+(the tensors before it were), the copy counts as lost (``NO_BASE``), and the next sync is full.
+
+Host memory: one copy on each side (the sender's rank 0, every receiving rank), updated tensor by tensor in
+place, never two: the size of a full 8-bit sync's payload (codes, scales, the rest in the rollout's dtype).
 """
 from __future__ import annotations
 
@@ -131,21 +135,22 @@ class DeltaSender:
     last_full: int = 0
     full_resyncs: int = 0
     checksums: dict[int, int] = field(default_factory=dict)  # sync id -> checksum, the last two syncs
+    unfinished: bool = False  # a sync stopped half-way: the copy mixes two syncs
 
     def plan(self, reports: Sequence[ReplicaReport | None]) -> tuple[SyncMode, str]:
         """This sync's mode from every receiver's report (one per receiving rank)."""
         if not self.copy or self.last_sync == 0:
             return SyncMode.FULL, "first"
-        forced = None
+        forced = "the previous sync did not finish" if self.unfinished else None
         for i, r in enumerate(reports):
+            if forced:
+                break
             if r is None:
                 forced = f"no report from receiver {i}"
             elif r.base != self.last_sync:
                 forced = f"receiver {i} holds sync {r.base}, {self.last_sync} was sent last"
             elif self.checksums.get(r.base) != r.checksum:
                 forced = f"receiver {i}'s checksum of sync {r.base} differs from the sender's"
-            if forced:
-                break
         if forced:
             self.full_resyncs += 1
             return SyncMode.FULL, forced
@@ -160,14 +165,17 @@ class DeltaSender:
         sync_id = self.last_sync + 1
         base = self.last_sync if mode is SyncMode.DELTA else NO_BASE
         stats.sync_id, stats.full_sync, stats.full_resyncs = sync_id, mode is SyncMode.FULL, self.full_resyncs
-        checksum = StreamStats()
-        new_copy: dict[str, torch.Tensor] = {}
+        checksum, seen = StreamStats(), set()
+        self.unfinished = True
+        if mode is SyncMode.FULL:
+            self.copy = {}  # replaced tensor by tensor: one copy in host memory, never two
         yield SYNC_HEADER, _header([int(mode), sync_id, base])
         for name, tensor in tensors:
             host = _host(tensor)
             checksum.add_checksum(((name, host),))
             old = self.copy.get(name) if mode is SyncMode.DELTA else None
-            new_copy[name] = host
+            self.copy[name] = host
+            seen.add(name)
             if mode is SyncMode.FULL:
                 stats.full_tensors += 1
                 yield name, tensor
@@ -184,7 +192,8 @@ class DeltaSender:
                 stats.delta_numel += host.numel()
                 stats.changed += encoded.changed
                 yield PAYLOAD_PREFIX + name, torch.cat([encoded.index, encoded.values]).to(tensor.device)
-        self.copy = new_copy
+        self.copy = {n: t for n, t in self.copy.items() if n in seen}
+        self.unfinished = False
         self.last_sync = sync_id
         if mode is SyncMode.FULL:
             self.last_full = sync_id
@@ -222,19 +231,22 @@ class DeltaReceiver:
         self.copy, self.base, self.checksum = {}, NO_BASE, 0
 
     def begin(self, name: str, header: torch.Tensor) -> None:
-        sync = {"failed": None, "pending": None, "copy": {}, "checksum": StreamStats(), "id": NO_BASE,
+        sync = {"failed": None, "pending": None, "seen": set(), "checksum": StreamStats(), "id": NO_BASE,
                 "mode": SyncMode.FULL}
-        self._sync = sync
+        self._sync, held = sync, self.base
+        self.base, self.checksum = NO_BASE, 0  # until the sync ends complete: the copy changes in place
         if name != SYNC_HEADER or header.dtype != torch.int64 or header.numel() != 3:
             sync["failed"] = f"a delta-mode sync starts with {SYNC_HEADER!r}, got {name!r}"
             return
         mode, sync["id"], base = (int(v) for v in header.tolist())
         if mode not in (SyncMode.FULL, SyncMode.DELTA):
             sync["failed"] = f"sync mode {mode}"
-        elif mode == SyncMode.DELTA and (base != self.base or base == NO_BASE):
-            sync["failed"] = f"sync {sync['id']} is a delta against sync {base}, this copy holds {self.base}"
+        elif mode == SyncMode.DELTA and (base != held or base == NO_BASE):
+            sync["failed"] = f"sync {sync['id']} is a delta against sync {base}, this copy holds {held}"
         else:
             sync["mode"] = SyncMode(mode)
+            if sync["mode"] is SyncMode.FULL:
+                self.copy = {}
 
     def take(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         sync = self._sync
@@ -250,7 +262,8 @@ class DeltaReceiver:
             return []
         if full is None:
             return []
-        sync["copy"][full[0]] = full[1]
+        self.copy[full[0]] = full[1]
+        sync["seen"].add(full[0])
         sync["checksum"].add_checksum((full,))
         return [full]
 
@@ -261,7 +274,8 @@ class DeltaReceiver:
         elif sync["failed"] or sync["pending"] is not None:
             self._lose_copy(sync["failed"] or f"the sync ended after the header of {sync['pending'][0]!r}")
         else:
-            self.copy, self.base, self.checksum = sync["copy"], sync["id"], sync["checksum"].checksum
+            self.copy = {n: t for n, t in self.copy.items() if n in sync["seen"]}
+            self.base, self.checksum = sync["id"], sync["checksum"].checksum
 
     def apply(self, received: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in received:
@@ -290,6 +304,7 @@ class DeltaReceiver:
         if _CODE_ENCODINGS[code] is Encoding.FULL:
             if name != target or tensor.numel() != numel or tensor.element_size() != element_size:
                 raise DeltaFormatError(f"{name!r} where the full tensor {target!r} was announced")
+            self.copy.pop(name, None)  # freed before its successor is copied
             return name, _host(tensor)
         base = self.copy.get(target)
         if name != PAYLOAD_PREFIX + target or tensor.dtype != torch.uint8 or tensor.dim() != 1:

@@ -199,3 +199,18 @@ def test_scales_always_full_and_a_new_tensor_full():
     assert all(code == 0 for n, code in headers.items() if n.endswith("weight_scale"))
     assert headers["model.norm.weight"] == 0
     assert headers["model.layers.0.self_attn.q_proj.weight"] == 2  # a few codes changed: gap varints
+
+
+def test_a_sync_stopped_half_way_makes_the_next_full():
+    """A transport error mid-sync: the sender's copy mixes two syncs, so it never sends a delta against it."""
+    trainer, sender, receiver = Trainer(), ds.DeltaSender(), ds.DeltaReceiver()
+    sync(sender, [receiver], trainer)
+    trainer.step()
+    wire = sender.encode(trainer.sent(), ds.SyncMode.DELTA)
+    list(receiver.take(*next(wire)) for _ in range(5))  # the group broke: neither side finished
+    wire.close()
+    trainer.step()
+    reference = dict(trainer.sent())
+    stats, _, (out,) = sync(sender, [ds.DeltaReceiver()], trainer)
+    assert stats.full_sync and stats.full_resyncs == 1 and "did not finish" in stats.reason
+    assert_bit_exact(out, reference)
