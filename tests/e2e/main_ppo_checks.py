@@ -199,19 +199,24 @@ def unsharded_checksum(uaq_dir: Path) -> int:
 def disaggregated_int8_sync(r: RunResult) -> None:
     """``checkpoint_engine.backend=qurl_int8`` in ``separate_async``: the trainer quantized the 14 linears and sent
     codes + scales + the rest; the rollout's report of the previous sync arrived with each (the init sync's with
-    step 1's); the rollout loaded the codes as they came, quantizing nothing itself; and after the init sync it
-    held exactly the stream checksum of the starting checkpoint quantized directly here: the codes crossed bit
-    for bit."""
+    step 1's), under ``qurl_sync/rollout/``; the rollout loaded the codes as they came, quantizing nothing itself;
+    after the init sync it held exactly the stream checksum of the starting checkpoint quantized directly here,
+    and at every later sync exactly what the sender encoded (its checksum, one row earlier): the codes crossed
+    bit for bit, and they changed."""
+    rollout = "qurl_sync/rollout/"
     for step, row in enumerate(r.rows, start=1):
         assert row["qurl_sync/quantized_tensors"] == LINEARS and row["qurl_sync/payload_bytes"] > 0, row
-        assert row["qurl_sync/rollout_reports"] == 1 and row["actor/qurl/sync/sync"] == step, row
-        assert row["actor/qurl/sync/quantized"] == 0 and row["actor/qurl/sync/tensors_in"] > 2 * LINEARS, row
+        assert row["qurl_sync/rollout_reports"] == 1 and row[f"{rollout}sync"] == step, row
+        assert row[f"{rollout}quantized"] == 0 and row[f"{rollout}tensors_in"] > 2 * LINEARS, row
         assert row["actor/grad_norm"] > 0 and 0 <= row["actor/qurl/kl_behav_prox_k3"] < KL_BOUND, row
-    assert replica_checksums(r.rows[0]) == {"replica_0": unsharded_checksum(r.uaq_dir)}
+    assert replica_checksums(r.rows[0], rollout) == {"replica_0": unsharded_checksum(r.uaq_dir)}
+    for before, row in zip(r.rows, r.rows[1:]):
+        assert replica_checksums(row, rollout) == {"replica_0": before["qurl_sync/checksum"]}, (before, row)
+        assert row["qurl_sync/checksum"] != before["qurl_sync/checksum"], row
 
 
-def replica_checksums(row: dict) -> dict[str, float]:
-    return {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith("actor/qurl/sync/checksum/")}
+def replica_checksums(row: dict, prefix: str = "actor/qurl/sync/") -> dict[str, float]:
+    return {k.rsplit("/", 1)[1]: v for k, v in row.items() if k.startswith(f"{prefix}checksum/")}
 
 
 def tp2_ranks_agree(r: RunResult) -> None:
