@@ -36,7 +36,8 @@ from qurl_verl.rollout.sync_stats import rollout_report_metrics, take_rollout_re
 from qurl_verl.tied_lm_head import TIED_LM_HEAD_NAMES
 
 from .engine_settings import ENGINE_NAME, rollout_settings
-from .gloo_transport import TRANSPORT as GLOO, GlooTransport
+from .gloo_transport import TRANSPORT as GLOO
+from .gloo_transport import GlooTransport
 from .wire_codec import ALIGN_BYTES, REST_DTYPES, TransferStats, WireEncoder, decode
 from .wire_messages import pack_report, unpack_report
 

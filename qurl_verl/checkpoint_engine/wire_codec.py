@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterable, AsyncGenerator, Generator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Generator, Iterable
 from dataclasses import dataclass, field
 
 import torch

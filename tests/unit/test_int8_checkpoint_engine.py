@@ -158,8 +158,8 @@ def as_bits(t: torch.Tensor) -> torch.Tensor:
 def test_rollout_receives_the_codes_bit_for_bit_at_every_sync(quantization, tied):
     out = sync_twice(quantization, tied)
     checksums = []
-    for step, ((received, rollout_bytes, rollout_buckets, rollout_checksum, rollout_ids),
-               (metrics, trainer_bytes, trainer_buckets, skipped_bytes, trainer_ids)) in enumerate(
+    for step, ((received, rollout_bytes, rollout_buckets, rollout_checksum, _),
+               (metrics, trainer_bytes, trainer_buckets, skipped_bytes, _)) in enumerate(
             zip(out["rollout"], out["trainer"]), start=1):
         state = tiny_state(step)
         expected = expected_stream(state, quantization, tied)
