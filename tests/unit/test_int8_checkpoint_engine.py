@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from qurl_verl.checkpoint_engine.engine_settings import ENGINE_NAME
 from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
-from qurl_verl.rollout.sync_stats import StreamStats, post_rollout_report
+from qurl_verl.rollout.sync_stats import StreamStats, post_rollout_report, take_rollout_report
 from qurl_verl.settings import RolloutSettings
 
 BUCKET = 64 << 10  # small, so that several tensors span buckets and one spans several
@@ -86,77 +86,81 @@ ROLLOUTS = ("rollout", "rollout_1")  # two rollout ranks (two replicas of one ra
 
 
 SIDES = ("trainer", *ROLLOUTS)
+CASES = (("int8", True), ("fp8", False))  # (quantization, tied lm_head): one engine per case on every rank
 
 
-def _run(side: str, quantization: str, tied: bool, inbox, outbox) -> None:
-    """One rank: per sync, verl's calls in verl's order (``prepare``, then ``init_process_group`` with what the
-    parent's ``build_topology`` gave this rank, the sync, ``finalize``) on one engine instance."""
+def _run(side: str, inbox, outbox) -> None:
+    """One rank: per case a fresh engine, then per sync verl's calls in verl's order (``prepare``, then
+    ``init_process_group`` with what the parent's ``build_topology`` gave this rank, the sync, ``finalize``)."""
     torch.set_num_threads(1)
 
     async def main():
-        engine = QurlInt8CheckpointEngine(BUCKET, is_master=side == "trainer", quantization=quantization,
-                                          tie_word_embeddings=tied, device="cpu")
-        out = []
-        for step in range(1, SYNCS + 1):
-            outbox.put((side, engine.prepare()))
-            engine.init_process_group(**inbox.get(timeout=60))
-            ids = (engine.transport.endpoint, id(engine.transport.store), id(engine.transport.group))
-            if side == "trainer":
-                metrics = await engine.send_weights(iter(tiny_state(step).items()), global_steps=step)
-                stats = engine.last_stats
-                out.append((metrics, stats.payload_bytes, stats.buckets, stats.skipped_bytes, ids))
-            else:
-                received = [(n, t.clone()) async for n, t in engine.receive_weights(global_steps=step)]
-                # what the rollout's adapter posts once its workers loaded the sync: here the stream's checksum
-                loaded = StreamStats()
-                loaded.add_checksum(received)
-                post_rollout_report(ROLLOUTS.index(side), {"checksum": loaded.checksum, "quantized": 0, "sync": step,
-                                                           "format": "int8"})
-                out.append(([(n, to_wire(t)) for n, t in received], engine.last_stats.payload_bytes,
-                            engine.last_stats.buckets, loaded.checksum, ids))
-            engine.finalize()
+        out = {}
+        for quantization, tied in CASES:
+            engine = QurlInt8CheckpointEngine(BUCKET, is_master=side == "trainer", quantization=quantization,
+                                              tie_word_embeddings=tied, device="cpu")
+            syncs = out[quantization, tied] = []
+            for step in range(1, SYNCS + 1):
+                outbox.put((side, engine.prepare()))
+                engine.init_process_group(**inbox.get(timeout=60))
+                ids = (engine.transport.endpoint, id(engine.transport.store), id(engine.transport.group))
+                if side == "trainer":
+                    metrics = await engine.send_weights(iter(tiny_state(step).items()), global_steps=step)
+                    stats = engine.last_stats
+                    syncs.append((metrics, stats.payload_bytes, stats.buckets, stats.skipped_bytes, ids))
+                else:
+                    received = [(n, t.clone()) async for n, t in engine.receive_weights(global_steps=step)]
+                    # what the rollout's adapter posts once its workers loaded the sync: here the stream's checksum
+                    loaded = StreamStats()
+                    loaded.add_checksum(received)
+                    post_rollout_report(ROLLOUTS.index(side), {"checksum": loaded.checksum, "quantized": 0,
+                                                               "sync": step, "format": "int8"})
+                    syncs.append(([(n, to_wire(t)) for n, t in received], engine.last_stats.payload_bytes,
+                                  engine.last_stats.buckets, loaded.checksum, ids))
+                engine.finalize()
+            take_rollout_report()  # the last sync's report: the next case starts as a fresh rollout would
         outbox.put((side, pickle.dumps(out)))  # bytes: no tensor fd sharing
 
     asyncio.run(main())
 
 
-def sync_twice(quantization: str, tied: bool):
-    """Two syncs between a trainer and two rollout processes, this process in the manager's place:
-    {side: [per sync: (what it got or returned, ...)]}."""
+@pytest.fixture(scope="module")
+def syncs():
+    """Every case's two syncs between a trainer and two rollout processes, this process in verl's manager's
+    place: {case: {side: [per sync: (what it got or returned, ...)]}}."""
     ctx = mp.get_context("spawn")
     inboxes, outbox = {side: ctx.Queue() for side in SIDES}, ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(side, quantization, tied, inboxes[side], outbox)) for side in SIDES]
+    procs = [ctx.Process(target=_run, args=(side, inboxes[side], outbox)) for side in SIDES]
     for p in procs:
         p.start()
     out = {}
     try:
-        for _ in range(SYNCS):
+        for _ in range(len(CASES) * SYNCS):
             prepared = dict(outbox.get(timeout=120) for _ in SIDES)
             actor, rollout = QurlInt8CheckpointEngine.build_topology(1, len(ROLLOUTS), [prepared[s] for s in SIDES])
             inboxes["trainer"].put({k: v[0] for k, v in actor.items()})
             for i, side in enumerate(ROLLOUTS):
                 inboxes[side].put({k: v[i] for k, v in rollout.items()})
         for _ in SIDES:
-            side, syncs = outbox.get(timeout=120)
-            out[side] = pickle.loads(syncs)
+            side, result = outbox.get(timeout=120)
+            out[side] = pickle.loads(result)
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs)
-    for side in ROLLOUTS:
-        out[side] = [([(n, from_wire(t)) for n, t in received], *rest) for received, *rest in out[side]]
-    return out
+    return {case: {side: [([(n, from_wire(t)) for n, t in received], *rest) for received, *rest in out[side][case]]
+                   if side in ROLLOUTS else out[side][case] for side in SIDES} for case in CASES}
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
-@pytest.mark.parametrize("quantization,tied", [("int8", True), ("fp8", False)])
-def test_rollout_receives_the_codes_bit_for_bit_at_every_sync(quantization, tied):
-    out = sync_twice(quantization, tied)
+@pytest.mark.parametrize("quantization,tied", CASES)
+def test_rollout_receives_the_codes_bit_for_bit_at_every_sync(syncs, quantization, tied):
+    out = syncs[quantization, tied]
     checksums = []
     for step, ((received, rollout_bytes, rollout_buckets, rollout_checksum, _),
                (metrics, trainer_bytes, trainer_buckets, skipped_bytes, _)) in enumerate(
