@@ -6,7 +6,8 @@ One group for the engine's life: actor rank 0 hosts the store, created once (por
 reports its port, no probe-then-bind race); the group is rebuilt only when the members, a rank or the world
 size change. Per sync, as verl's engine: ``prepare`` allocates the buckets, the sender fills one bucket at a
 time and broadcasts its metadata (JSON, ``wire_messages``) and then its bytes; ``finalize`` frees the
-buckets and keeps the group. Every collective waits at most ``timeout_s``.
+buckets and keeps the group. The buckets are allocated in ``init_process_group`` by the group's members only
+(the actor ranks left out hold none). Every collective waits at most ``timeout_s``.
 """
 from __future__ import annotations
 
@@ -59,7 +60,6 @@ class GlooTransport:
 
     # ---- topology ------------------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
-        self.buffers = [torch.zeros(self.bucket_size, dtype=torch.uint8) for _ in range(2)]
         meta = {"transport": TRANSPORT, "member": self.member}
         if self.is_master:
             if self.store is None:
@@ -86,8 +86,9 @@ class GlooTransport:
 
     def init_process_group(self, rank: int, world_size: int, master_metadata: dict[str, Any]) -> None:
         self.rank, self.world_size = rank, world_size
-        if rank < 0:
+        if rank < 0:  # left out: no buckets, no group
             return
+        self.buffers = [torch.empty(self.bucket_size, dtype=torch.uint8) for _ in range(2)]
         endpoint = (master_metadata["host"], int(master_metadata["port"]))
         if self.store is None or endpoint != self.endpoint:
             self.store = dist.TCPStore(*endpoint, None, False, timeout=self.timeout)

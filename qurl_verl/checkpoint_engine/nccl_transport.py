@@ -17,6 +17,7 @@ made only when the transport is built, so the package imports on a machine witho
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
@@ -83,7 +84,8 @@ class NcclTransport:
         mine = packed.to(self.device)
         out = [torch.zeros(REPORT_BYTES, dtype=torch.uint8, device=self.device)
                for _ in range(self.engine.world_size)]
-        collective.allgather(out, mine, group_name=GROUP_NAME)
+        # in a thread, as verl runs its broadcasts: the caller's event loop stays free while the group gathers
+        await asyncio.to_thread(collective.allgather, out, mine, group_name=GROUP_NAME)
         synchronize()
         return [t.cpu() for t in out]
 
