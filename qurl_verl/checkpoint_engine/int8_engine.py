@@ -117,12 +117,15 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         self.transport.finalize()
 
     # ---- reports -------------------------------------------------------------------------------------------
-    async def _gather_reports(self, report: tuple[int, dict] | None) -> list[tuple[int, dict]]:
-        """Every member's report of the previous sync (the rollout's; none from the actor side), gathered at the
-        start of this one as fixed-size tensors; decoded (and validated) by the sender only."""
-        gathered = await self.transport.gather_reports(pack_report(report))
-        if self.transport.rank != 0:
-            return []
+    async def _gather_reports(self, report: tuple[int, dict] | None) -> list[torch.Tensor]:
+        """Every member's packed report of the previous sync (the rollout's; none from the actor side), gathered
+        at the start of this one as fixed-size tensors (``unpack_reports`` reads them)."""
+        return await self.transport.gather_reports(pack_report(report))
+
+    @staticmethod
+    def unpack_reports(gathered: list[torch.Tensor]) -> list[tuple[int, dict]]:
+        """The reports, validated (``WireFormatError`` on a malformed one); the sender reads them after its sync,
+        so that a refused report fails the trainer's call without leaving the rollout waiting for buckets."""
         return [r for r in map(unpack_report, gathered) if r is not None]
 
     @staticmethod
@@ -156,7 +159,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
                 for _ in weights:
                     pass
             return {}
-        reports = await self._gather_reports(None)
+        gathered = await self._gather_reports(None)
         stats = TransferStats()
         start = time.perf_counter()
         if self.on_cuda:
@@ -169,7 +172,7 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
             return {}
         logger.info("qurl_int8 sync %s: %d payload bytes in %d buckets, %.2fs", global_steps,
                     stats.payload_bytes, stats.buckets, stats.seconds)
-        return {**stats.metrics(), **self._rollout_metrics(reports)}
+        return {**stats.metrics(), **self._rollout_metrics(self.unpack_reports(gathered))}
 
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:

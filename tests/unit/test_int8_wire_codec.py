@@ -180,3 +180,14 @@ def raw_report(body: bytes, length: int | None = None) -> torch.Tensor:
 def test_malformed_or_oversized_reports_are_refused(packed, match):
     with pytest.raises(WireFormatError, match=match):
         wm.unpack_report(packed)
+
+
+def test_the_sender_refuses_a_malformed_report_among_the_gathered_ones():
+    """The engine reads the gathered reports with ``unpack_report``: one malformed report fails the sender's call
+    (after its sync), naming what was refused; empty slots (the actor side's) are skipped."""
+    from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
+
+    good = wm.pack_report((0, {"checksum": 5}))
+    assert QurlInt8CheckpointEngine.unpack_reports([wm.pack_report(None), good]) == [(0, {"checksum": 5})]
+    with pytest.raises(WireFormatError, match="numbers only"):
+        QurlInt8CheckpointEngine.unpack_reports([good, raw_report(b'{"replica": 1, "stats": {"a": [1]}}')])
