@@ -13,7 +13,7 @@ ENGINE_NAME = INT8_SYNC_BACKEND
 # settings do not name the engine module they are imported by
 ENGINE_MODULE = f"{__name__.rpartition('.')[0]}.int8_engine"
 SETTINGS_KWARGS = ("quantization", "ignore", "weight_bits", "experts")
-TRANSPORT_KWARGS = ("rest_dtype", "device", "timeout_s")
+TRANSPORT_KWARGS = ("rest_dtype", "tie_word_embeddings", "device", "timeout_s", "multi_sender")
 
 
 def rollout_settings(quantization: str = "int8", ignore: Iterable[str] | str = (), weight_bits: int = 8,

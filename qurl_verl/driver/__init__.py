@@ -15,6 +15,7 @@ import weakref
 from typing import Any
 
 from qurl_verl.driver.checks import CHECKS, COMPOSITION_CHECKS, Run
+from qurl_verl.driver.int8_sync_checks import prepare_int8_sync
 from qurl_verl.driver.prepare import prepare_config, prepare_cpu_int8_gemm, report_moe_share, warn_cpu_rollout_format
 from qurl_verl.driver.trainer_modes import check_v1_trainer, full_precision_sync_warning, in_ray_actor
 from qurl_verl.model_info import ModelInfo
@@ -52,6 +53,7 @@ def check_and_prepare(cfg: Any, log=print, host: Host | None = None, in_driver: 
         if warning:
             logger.warning(warning)
     prepare_config(cfg, settings.uaq, log=log)
+    prepare_int8_sync(cfg, ModelInfo(select(cfg, MODEL_PATH_KEY)).config)
     try:
         _PREPARED[id(cfg)] = weakref.ref(cfg)
     except TypeError:  # a plain dict: nothing to remember it by

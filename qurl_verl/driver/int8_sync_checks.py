@@ -2,15 +2,24 @@
 
 The engine quantizes on the trainer side and the rollout loads the codes as they arrive, so it needs the
 ``qurl_vllm`` rollout in a quantized format, verl's plugin import of the engine, and the rollout's settings
-in ``engine_kwargs.qurl_int8`` (verl hands an engine nothing else of the config). The code-change tracker
+in ``engine_kwargs.qurl_int8`` (verl hands an engine nothing else of the config); the driver fills what the
+run's config and model say (``prepare_int8_sync``: the rollout's dtype for the rest, whether the model ties its
+lm_head to the embedding). The code-change tracker
 observes only weights the worker quantizes itself, so it is off with this engine; the sync features that need
 the colocated sync stay refused by their own rows (``rollout.features``).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from qurl_verl.checkpoint_engine.engine_settings import ENGINE_MODULE, engine_kwargs_for, settings_of
+from qurl_verl.checkpoint_engine.engine_settings import (
+    ENGINE_MODULE,
+    SETTINGS_KWARGS,
+    TRANSPORT_KWARGS,
+    engine_kwargs_for,
+    settings_of,
+)
 from qurl_verl.settings import QurlConfigError, RolloutSettings, select
 from qurl_verl.settings.errors import Check
 from qurl_verl.settings.keys import (
@@ -35,7 +44,14 @@ def selects_int8_sync(cfg: Any) -> bool:
     return select(cfg, CHECKPOINT_ENGINE_KEY) == INT8_SYNC_BACKEND
 
 
-def check_int8_sync(cfg: Any, rollout: RolloutSettings | None) -> None:
+def ties_word_embeddings(hf_config: Mapping | None) -> bool:
+    """Whether the model's ``config.json`` says lm_head is the input embedding (absent: False, so the engine
+    sends lm_head, which is right for any model)."""
+    hf = hf_config or {}
+    return bool(hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+def check_int8_sync(cfg: Any, rollout: RolloutSettings | None, hf_config: Mapping | None = None) -> None:
     name = select(cfg, ROLLOUT_NAME_KEY)
     if rollout is None or name != ROLLOUT_NAME:
         raise QurlConfigError(
@@ -55,6 +71,12 @@ def check_int8_sync(cfg: Any, rollout: RolloutSettings | None) -> None:
             f"that builds one. Set {MODULE_KEY}={ENGINE_MODULE}"
         )
     kwargs = select(cfg, KWARGS_KEY) or {}
+    unknown = sorted(set(kwargs) - set(SETTINGS_KWARGS) - set(TRANSPORT_KWARGS))
+    if unknown:
+        raise QurlConfigError(
+            f"{KWARGS_KEY} has {', '.join(unknown)}, which the engine does not take (it takes "
+            f"{', '.join(SETTINGS_KWARGS + TRANSPORT_KWARGS)}). Remove " + " ".join(f"~{KWARGS_KEY}.{k}" for k in unknown)
+        )
     try:
         sent = settings_of(kwargs)
     except (TypeError, QurlConfigError) as exc:
@@ -71,7 +93,14 @@ def check_int8_sync(cfg: Any, rollout: RolloutSettings | None) -> None:
         raise QurlConfigError(
             f"{KWARGS_KEY}.rest_dtype={show(rest)} with {ROLLOUT_DTYPE_KEY}={show(dtype)}: the full-precision rest is "
             f"loaded in the rollout's dtype, so it can travel in that one and no other. Set "
-            f"+{KWARGS_KEY}.rest_dtype={dtype}, or remove it (sent as the trainer holds it)"
+            f"+{KWARGS_KEY}.rest_dtype={dtype}, or remove it (the driver sets the rollout's)"
+        )
+    tied = kwargs.get("tie_word_embeddings")
+    if tied and hf_config is not None and not ties_word_embeddings(hf_config):
+        raise QurlConfigError(
+            f"{KWARGS_KEY}.tie_word_embeddings={tied} for a model whose config.json does not tie its lm_head to "
+            f"the embedding: the rollout would never receive lm_head.weight. Set ~{KWARGS_KEY}.tie_word_embeddings (the driver "
+            "reads the model's)"
         )
     if rollout.code_change_row_stride:
         raise QurlConfigError(
@@ -83,5 +112,37 @@ def check_int8_sync(cfg: Any, rollout: RolloutSettings | None) -> None:
 
 INT8_SYNC_CHECKS = (
     Check(f"{INT8_SYNC_BACKEND} sends what a quantized {ROLLOUT_NAME} rollout loads",
-          lambda r: selects_int8_sync(r.cfg), lambda r: check_int8_sync(r.cfg, r.rollout), "Set "),
+          lambda r: selects_int8_sync(r.cfg), lambda r: check_int8_sync(r.cfg, r.rollout, r.model.config), "Set "),
 )
+
+
+def prepare_int8_sync(cfg: Any, hf_config: Mapping | None) -> dict[str, Any]:
+    """Fill the ``engine_kwargs.qurl_int8`` entries a checked config leaves out, from what the engine cannot see:
+    ``rest_dtype`` (the rollout's dtype, in which the rest is loaded anyway) and ``tie_word_embeddings`` (the
+    model's: a tied lm_head is not sent). Returns what it set. Without this step the engine's defaults hold
+    (bf16, verl's default rollout dtype; lm_head sent)."""
+    if not selects_int8_sync(cfg):
+        return {}
+    kwargs = select(cfg, KWARGS_KEY) or {}
+    filled = {}
+    if kwargs.get("rest_dtype") is None:
+        filled["rest_dtype"] = str(select(cfg, ROLLOUT_DTYPE_KEY, "bfloat16"))
+    if kwargs.get("tie_word_embeddings") is None:
+        filled["tie_word_embeddings"] = ties_word_embeddings(hf_config)
+    for key, value in filled.items():
+        set_key(cfg, f"{KWARGS_KEY}.{key}", value)
+    return filled
+
+
+def set_key(cfg: Any, dotted: str, value: Any) -> None:
+    """``cfg.<dotted> = value``, adding the missing parts (a struct DictConfig included)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        OmegaConf.update(cfg, dotted, value, force_add=True)
+        return
+    *parents, last = dotted.split(".")
+    node = cfg
+    for part in parents:
+        node = node.setdefault(part, {}) if isinstance(node, dict) else getattr(node, part)
+    node[last] = value

@@ -51,14 +51,66 @@ _NOT_REPORTED = {"reported": False}
 # The checksum stays below 2**40, so a metric averaged over a replica's ranks keeps it exact in float64.
 CHECKSUM_MODULUS = 2**40 - 87  # a prime
 CHECKSUM_MULTIPLIER = 1_000_003
-_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Each element's bit pattern is weighted by its flat index i: weight(i) = index_hash(i % BLOCK) +
+# index_hash(BLOCK + i // BLOCK), so a transposed or permuted tensor has another checksum. The split lets a
+# block's column sums take the first term and its row sums the second: two reductions, no per-element hash.
+# Everything stays in int64 without overflow: bit patterns |v| < 2**31; a column or row sum of 2**12 of them is
+# below 2**43 and is reduced below 2**40 before it is multiplied by a hash (<= 2**20); 2**12 such terms, each
+# reduced below 2**40 again, sum below 2**52.
+CHECKSUM_BLOCK = 1 << 12
+_BLOCKS_PER_STEP = 1 << 12
+_INDEX_PRIME = 2_147_483_629  # a prime below 2**31: a residue squared is below 2**62
+_INDEX_MIX = 4_194_301  # a prime below 2**22: index * _INDEX_MIX < 2**63 for any index below 2**40
+_INDEX_OFFSET = 1_234_567
+_INDEX_HASH_BITS = 20
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def index_hash(index: torch.Tensor) -> torch.Tensor:
+    """int64 in, int64 in [1, 2**20] out: a squared affine residue mixed with the index again, so that no fixed
+    stride maps two indices to one hash."""
+    mixed = (index * _INDEX_MIX + _INDEX_OFFSET) % _INDEX_PRIME
+    mixed = (mixed * mixed + index) % _INDEX_PRIME
+    return mixed % (1 << _INDEX_HASH_BITS) + 1
+
+
+def bit_patterns(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as signed integers of their own width, flat (8-byte and wider elements as 4-byte words)."""
+    t = t.detach().contiguous().view(-1)
+    if t.dtype == torch.bool:
+        return t.to(torch.int8)
+    size = t.element_size()
+    return t.view(_SAME_SIZE_INT[size]) if size in _SAME_SIZE_INT else t.view(torch.int32)
+
+
+def _weighted_sum(values: torch.Tensor, weights: torch.Tensor) -> int:
+    """sum(values * weights) mod CHECKSUM_MODULUS, ``values`` below 2**43 in magnitude, at most 2**12 terms."""
+    return int(torch.remainder(torch.remainder(values, CHECKSUM_MODULUS) * weights, CHECKSUM_MODULUS).sum())
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
-    """The sum of ``t``'s bit patterns read as integers, plus its shape: exact, and independent of the
-    order in which the sum runs (one pass over the tensor, on its own device)."""
-    bits = t.detach().contiguous().view(_SAME_SIZE_INT[t.element_size()]) if t.is_floating_point() else t.detach()
-    checksum = int(bits.sum(dtype=torch.int64)) % CHECKSUM_MODULUS
+    """The sum of ``t``'s bit patterns (signed integers), each times the weight of its flat index, modulo
+    ``CHECKSUM_MODULUS``, then its shape: exact, on the tensor's own device, and sensitive to where each element
+    sits (a transposed square matrix, permuted rows or two swapped elements change it)."""
+    bits = bit_patterns(t)
+    device, n = bits.device, bits.numel()
+    column_hash = index_hash(torch.arange(CHECKSUM_BLOCK, dtype=torch.int64, device=device))
+    checksum, full = 0, n - n % CHECKSUM_BLOCK
+    step = CHECKSUM_BLOCK * _BLOCKS_PER_STEP
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        blocks = (min(stop, full) - start) // CHECKSUM_BLOCK
+        first = start // CHECKSUM_BLOCK
+        if blocks:
+            m = bits[start: start + blocks * CHECKSUM_BLOCK].to(torch.int64).view(blocks, CHECKSUM_BLOCK)
+            row_hash = index_hash(torch.arange(first, first + blocks, dtype=torch.int64, device=device) + CHECKSUM_BLOCK)
+            checksum += _weighted_sum(m.sum(0), column_hash) + _weighted_sum(m.sum(1), row_hash)
+        if stop > full:  # the last, partial block: one row
+            tail = bits[full:stop].to(torch.int64)
+            row = torch.tensor([full // CHECKSUM_BLOCK + CHECKSUM_BLOCK], dtype=torch.int64, device=device)
+            checksum += _weighted_sum(tail, column_hash[: tail.numel()]) + _weighted_sum(tail.sum(0, keepdim=True),
+                                                                                        index_hash(row))
+        checksum %= CHECKSUM_MODULUS
     for size in t.shape:
         checksum = (checksum * CHECKSUM_MULTIPLIER + size) % CHECKSUM_MODULUS
     return checksum
@@ -211,12 +263,23 @@ def take_rollout_report() -> tuple[int, dict] | None:
     return _rollout_report.pop() if _rollout_report else None
 
 
-def rollout_report_metrics(reports: Sequence[tuple[int, dict]], feature_stats: Sequence[type] = ()) -> dict[str, float]:
-    """The rollout ranks' reports as the colocated sync logs them (``actor/`` + ``metric_groups``): one key per
-    replica for the checksum, the mean over the reports (verl's reduction of a metric over ranks) for the rest."""
+def rollout_report_metrics(reports: Sequence[tuple[int, dict]], feature_stats: Sequence[type] = (),
+                           prefix: str | None = None) -> dict[str, float]:
+    """The rollout ranks' reports as metrics: one key per replica for the checksum (``.../checksum/replica_<r>``),
+    the mean over the reports (verl's reduction of a metric over ranks) for the rest.
+
+    ``prefix`` None: under the colocated sync's names (``actor/`` + ``metric_groups``); else each stat as
+    ``prefix + name``, apart from the names a colocated sync logs (a disaggregated run with a hybrid engine
+    has both)."""
     sums: dict[str, list[float]] = {}
     for replica_rank, stats in reports:
-        for metrics in metric_groups(stats, replica_rank, feature_stats).values():
-            for name, value in metrics.items():
-                sums.setdefault(f"actor/{name}", []).append(value)
+        if prefix is None:
+            named = {f"actor/{name}": value for metrics in metric_groups(stats, replica_rank, feature_stats).values()
+                     for name, value in metrics.items()}
+        else:
+            named = {(f"{prefix}{key}/replica_{replica_rank}" if key == "checksum" else f"{prefix}{key}"): float(value)
+                     for key, value in stats.items()
+                     if value is not None and not isinstance(value, bool) and isinstance(value, (int, float))}
+        for name, value in named.items():
+            sums.setdefault(name, []).append(value)
     return {name: sum(values) / len(values) for name, values in sums.items()}

@@ -1,10 +1,12 @@
 """``checkpoint_engine.backend=qurl_int8`` in the driver: passes with a quantized ``qurl_vllm`` rollout whose
-settings the engine carries; refused, naming the fix, for bf16, for verl's stock rollout, without the plugin
-import, with other settings than the rollout's, with the code-change tracker; the FP8 KV scales and LoRA
-adapters stay refused (they need the colocated sync)."""
+settings the engine carries, the driver filling the rollout's dtype and the model's tied lm_head; refused, naming
+the fix, for bf16, for verl's stock rollout, without the plugin import, with other settings than the rollout's,
+with a tied lm_head the model lacks, with keys the engine does not take, with the code-change tracker; the FP8
+KV scales and LoRA adapters stay refused (they need the colocated sync)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_config_checks import CPU_OK  # the driver tests' CPU overrides
 
 from qurl_recipes.compose import compose_ppo_config
@@ -92,3 +94,64 @@ def test_kv_scales_and_lora_adapters_stay_refused(qurl):
             "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]
     with pytest.raises(QurlConfigError, match=r"LoRA adapters .*backend='?qurl_int8'?.*naive"):
         qc.check_config(compose_ppo_config(lora))
+
+
+@pytest.fixture
+def untied_model(tmp_path_factory):
+    from qurl_recipes.tiny_model import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("m") / "untied", TinyModelSpec(tie_word_embeddings=False))
+
+
+def engine_kwargs(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg.actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.qurl_int8)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_driver_fills_the_rest_dtype_and_the_tied_lm_head_from_the_run(qurl, tied, untied_model, tiny_model,
+                                                                          monkeypatch, tmp_path):
+    """verl hands the engine only its engine_kwargs: the driver's hook sets the rollout's dtype for the rest and
+    the model's ``tie_word_embeddings`` (read from the checkpoint's config.json, as transformers builds it), and
+    the engine built from them leaves lm_head out exactly for the tied model."""
+    import json
+
+    from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
+    from qurl_verl.driver import on_validate_config
+
+    monkeypatch.setenv("QURL_CACHE_DIR", str(tmp_path))
+    model = tiny_model if tied else untied_model
+    assert json.loads((model / "config.json").read_text())["tie_word_embeddings"] is tied  # the builder's own flag
+    overrides = [o for o in qurl if not o.startswith("actor_rollout_ref.model.path=")]
+    cfg = compose_ppo_config([*overrides, f"actor_rollout_ref.model.path={model}", *int8_sync(),
+                              "actor_rollout_ref.rollout.dtype=float16"])
+    on_validate_config(cfg, log=lambda *_: None)
+    kwargs = engine_kwargs(cfg)
+    assert kwargs == {"quantization": "int8", "rest_dtype": "float16", "tie_word_embeddings": tied}
+    on_validate_config(cfg, log=lambda *_: None)  # verl's TaskRunner runs the hook again: nothing changes
+    assert engine_kwargs(cfg) == kwargs
+    engine = QurlInt8CheckpointEngine(1 << 20, device="cpu", **kwargs)
+    assert engine.encoder.skip == (frozenset({"lm_head.weight"}) if tied else frozenset())
+    assert engine.encoder.rest_dtype == torch.float16
+
+
+def test_the_engines_defaults_without_the_driver_are_safe():
+    """Built from bare engine_kwargs (the driver skipped): lm_head is sent (right for tied and untied models),
+    the rest in bf16, verl's default rollout dtype."""
+    from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
+
+    engine = QurlInt8CheckpointEngine(1 << 20, device="cpu")
+    assert engine.encoder.skip == frozenset() and engine.encoder.rest_dtype == torch.bfloat16
+
+
+def test_a_tied_lm_head_the_model_does_not_have_and_unknown_kwargs_are_refused(qurl, untied_model):
+    overrides = [o for o in qurl if not o.startswith("actor_rollout_ref.model.path=")]
+    untied = [*overrides, f"actor_rollout_ref.model.path={untied_model}", *int8_sync()]
+    with pytest.raises(QurlConfigError, match=r"tie_word_embeddings=True for a model whose config.json does "
+                                              r"not tie.*Set ~actor_rollout_ref.*tie_word_embeddings"):
+        qc.check_config(compose_ppo_config([*untied, f"+{CE}.engine_kwargs.qurl_int8.tie_word_embeddings=true"]))
+    qc.check_config(compose_ppo_config([*untied, f"+{CE}.engine_kwargs.qurl_int8.tie_word_embeddings=false"]))
+    with pytest.raises(QurlConfigError, match=r"has bucket_mb, which the engine does not take.*Remove "
+                                              r"~actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.qurl_int8.bucket_mb"):
+        qc.check_config(compose_ppo_config([*untied, f"+{CE}.engine_kwargs.qurl_int8.bucket_mb=4"]))

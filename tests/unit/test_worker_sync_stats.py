@@ -128,19 +128,99 @@ def test_a_step_that_synced_the_lora_base_then_the_adapters_reports_both():
     assert step["checksum"] == both.stats.checksum
 
 
-def test_a_disaggregated_rollouts_reports_read_as_the_colocated_sync_logs_them():
+def test_a_disaggregated_rollouts_reports_read_under_the_engines_prefix():
     """Two replicas' reports, carried to the sender by the checkpoint engine: the checksum one key per replica,
-    the rest the mean over the reports (verl's reduction of a metric over ranks), under ``actor/qurl/sync/``."""
+    the rest the mean over the reports (verl's reduction of a metric over ranks), under the prefix given
+    (``qurl_sync/rollout/``: apart from the names a hybrid engine's colocated sync logs) or, without one, under the
+    colocated sync's ``actor/qurl/sync/``; strings and flags are not metrics."""
     from qurl_verl.rollout.sync_stats import post_rollout_report, rollout_report_metrics, take_rollout_report
 
-    reports = [(0, {"checksum": 11, "quantized": 14, "total_s": 1.0}), (1, {"checksum": 12, "quantized": 14, "total_s": 3.0})]
-    metrics = rollout_report_metrics(reports)
-    assert metrics == {"actor/qurl/sync/checksum/replica_0": 11.0, "actor/qurl/sync/checksum/replica_1": 12.0,
-                       "actor/qurl/sync/quantized": 14.0, "actor/qurl/sync/total_s": 2.0}
+    reports = [(0, {"checksum": 11, "quantized": 14, "total_s": 1.0, "format": "int8"}),
+               (1, {"checksum": 12, "quantized": 14, "total_s": 3.0, "format": "int8"})]
+    assert rollout_report_metrics(reports, prefix="qurl_sync/rollout/") == {
+        "qurl_sync/rollout/checksum/replica_0": 11.0, "qurl_sync/rollout/checksum/replica_1": 12.0,
+        "qurl_sync/rollout/quantized": 14.0, "qurl_sync/rollout/total_s": 2.0}
+    assert rollout_report_metrics(reports) == {
+        "actor/qurl/sync/checksum/replica_0": 11.0, "actor/qurl/sync/checksum/replica_1": 12.0,
+        "actor/qurl/sync/quantized": 14.0, "actor/qurl/sync/total_s": 2.0}
     assert take_rollout_report() is None
     post_rollout_report(1, reports[0][1])
     post_rollout_report(1, reports[1][1])  # a later sync's report replaces an untaken one
     assert take_rollout_report() == reports[1] and take_rollout_report() is None
+
+
+def reference_checksum(t) -> int:
+    """``tensor_checksum`` element by element in Python integers: each bit pattern (a signed integer of the
+    element's width; 8-byte elements as two 4-byte words) times hash(i % BLOCK) + hash(BLOCK + i // BLOCK),
+    summed without any bound, then reduced once, then the shape."""
+    import struct
+
+    import torch
+
+    from qurl_verl.rollout.sync_stats import CHECKSUM_BLOCK, CHECKSUM_MODULUS, CHECKSUM_MULTIPLIER, index_hash
+
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    size = t.element_size() if t.element_size() in (1, 2, 4) else 4
+    words = struct.unpack(f"<{len(raw) // size}{ {1: 'b', 2: 'h', 4: 'i'}[size] }", raw)
+    hashes = index_hash(torch.arange(CHECKSUM_BLOCK + len(words) // CHECKSUM_BLOCK + 1)).tolist()
+
+    def weight(i: int) -> int:
+        return hashes[i % CHECKSUM_BLOCK] + hashes[CHECKSUM_BLOCK + i // CHECKSUM_BLOCK]
+
+    checksum = sum(v * weight(i) for i, v in enumerate(words)) % CHECKSUM_MODULUS
+    for d in t.shape:
+        checksum = (checksum * CHECKSUM_MULTIPLIER + d) % CHECKSUM_MODULUS
+    return checksum
+
+
+def index_hash_reference(i: int) -> int:
+    """The index hash in Python integers, from its definition (no int64 to overflow)."""
+    from qurl_verl.rollout import sync_stats as s
+
+    mixed = (i * s._INDEX_MIX + s._INDEX_OFFSET) % s._INDEX_PRIME
+    mixed = (mixed * mixed + i) % s._INDEX_PRIME
+    return mixed % (1 << s._INDEX_HASH_BITS) + 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8", "float8_e4m3fn", "float64", "int64"])
+def test_tensor_checksum_equals_an_element_by_element_python_reference(dtype):
+    import torch
+
+    from qurl_verl.rollout.sync_stats import CHECKSUM_BLOCK, CHECKSUM_MODULUS, index_hash, tensor_checksum
+
+    g = torch.Generator().manual_seed(3)
+    # one full block and a partial one; the bits span the dtype's whole range (largest magnitudes included)
+    bits = torch.randint(-(2**31), 2**31 - 1, (CHECKSUM_BLOCK + 37,), generator=g, dtype=torch.int64)
+    t = torch.randn(CHECKSUM_BLOCK + 37, generator=g).to(getattr(torch, dtype)) if "float" in dtype else \
+        bits.to(getattr(torch, dtype))
+    if dtype == "int64":
+        t = bits * (2**32) + bits  # both 4-byte words used
+    for shaped in (t, t[: 6 * 7].reshape(6, 7)):
+        assert tensor_checksum(shaped) == reference_checksum(shaped) < CHECKSUM_MODULUS
+    # the int64 hash agrees with its definition in Python integers, up to the largest index it supports
+    for i in (0, 1, CHECKSUM_BLOCK, 12345, 2**40 - 1):
+        assert int(index_hash(torch.tensor([i]))[0]) == index_hash_reference(i)
+
+
+def test_tensor_checksum_sees_where_each_element_sits():
+    """A transposed square matrix, permuted or rolled rows, two swapped elements: the sum of bit patterns plus the
+    shape (the checksum before) is the same for each; the position-weighted one changes."""
+    import torch
+
+    from qurl_verl.rollout.sync_stats import bit_patterns, tensor_checksum
+
+    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    swapped = w.clone().view(-1)
+    swapped[[5, 4000]] = swapped[[4000, 5]]
+    changed = [w.t().contiguous(), w[torch.randperm(64, generator=torch.Generator().manual_seed(1))],
+               w.roll(1, 0), swapped.view(64, 64)]
+    for other in changed:
+        assert other.shape == w.shape and int(bit_patterns(other).sum()) == int(bit_patterns(w).sum())
+        assert tensor_checksum(other) != tensor_checksum(w)
+    assert tensor_checksum(w.clone()) == tensor_checksum(w)
+    # bucket-independent: a tensor's checksum is its own, whatever arrives beside it
+    big = torch.randn(3, 5000, generator=torch.Generator().manual_seed(2))
+    assert tensor_checksum(big) == reference_checksum(big)
 
 
 def test_the_adapter_appends_the_features_tensors_to_either_kind_of_weight_iterator():
