@@ -5,7 +5,7 @@ Transport-free (pure torch): the sender turns the model tensors the codec produc
 into wire tensors, the receiver turns them back into the full tensors, which go to the same reload path as a
 full sync's. Only the bytes on the wire shrink.
 
-On the wire, a sync starts with ``SYNC_HEADER`` (int64 ``[mode, sync_id, base_id]``). In a full sync every
+On the wire, a sync starts with ``SYNC_HEADER`` (int64 ``[mode, sync_id, base_id, 0]``). In a full sync every
 tensor follows as itself and the receiver's copy becomes exactly those tensors. In a delta sync, each tensor
 is preceded by its header ``TENSOR_HEADER_PREFIX + name`` (int64 ``[encoding, changed, numel, element_size,
 index_bytes]``), then comes either the tensor itself (``full``: new, a different shape or dtype, per-channel
@@ -169,7 +169,7 @@ class DeltaSender:
         self.unfinished = True
         if mode is SyncMode.FULL:
             self.copy = {}  # replaced tensor by tensor: one copy in host memory, never two
-        yield SYNC_HEADER, _header([int(mode), sync_id, base])
+        yield SYNC_HEADER, _header([int(mode), sync_id, base, 0])
         for name, tensor in tensors:
             host = _host(tensor)
             checksum.add_checksum(((name, host),))
@@ -183,7 +183,7 @@ class DeltaSender:
             same_kind = old is not None and old.shape == host.shape and old.dtype == host.dtype
             encoded = delta_codec.encode(old if same_kind and not self.always_full(name) else None, host)
             yield TENSOR_HEADER_PREFIX + name, _header([_ENCODING_CODES[encoded.encoding], encoded.changed,
-                                                        host.numel(), host.element_size(), encoded.index.numel()])
+                                                        host.numel(), host.element_size(), encoded.index.numel(), 0])
             if encoded.encoding is Encoding.FULL:
                 stats.full_tensors += 1
                 yield name, tensor
@@ -235,10 +235,10 @@ class DeltaReceiver:
                 "mode": SyncMode.FULL}
         self._sync, held = sync, self.base
         self.base, self.checksum = NO_BASE, 0  # until the sync ends complete: the copy changes in place
-        if name != SYNC_HEADER or header.dtype != torch.int64 or header.numel() != 3:
+        if name != SYNC_HEADER or header.dtype != torch.int64 or header.numel() != 4 or int(header[3]):
             sync["failed"] = f"a delta-mode sync starts with {SYNC_HEADER!r}, got {name!r}"
             return
-        mode, sync["id"], base = (int(v) for v in header.tolist())
+        mode, sync["id"], base, _ = (int(v) for v in header.tolist())
         if mode not in (SyncMode.FULL, SyncMode.DELTA):
             sync["failed"] = f"sync mode {mode}"
         elif mode == SyncMode.DELTA and (base != held or base == NO_BASE):
@@ -293,14 +293,14 @@ class DeltaReceiver:
         if sync["mode"] is SyncMode.FULL:
             return name, _host(tensor)
         if sync["pending"] is None:
-            if not name.startswith(TENSOR_HEADER_PREFIX) or tensor.dtype != torch.int64 or tensor.numel() != 5:
+            if not name.startswith(TENSOR_HEADER_PREFIX) or tensor.dtype != torch.int64 or tensor.numel() != 6:
                 raise DeltaFormatError(f"{name!r} where a tensor header was expected")
             values = [int(v) for v in tensor.tolist()]
-            if values[0] not in _CODE_ENCODINGS or min(values) < 0:
+            if values[0] not in _CODE_ENCODINGS or min(values) < 0 or values[5]:
                 raise DeltaFormatError(f"{name!r}: header {values}")
             sync["pending"] = (name[len(TENSOR_HEADER_PREFIX):], values)
             return None
-        (target, (code, changed, numel, element_size, index_bytes)), sync["pending"] = sync["pending"], None
+        (target, (code, changed, numel, element_size, index_bytes, _)), sync["pending"] = sync["pending"], None
         if _CODE_ENCODINGS[code] is Encoding.FULL:
             if name != target or tensor.numel() != numel or tensor.element_size() != element_size:
                 raise DeltaFormatError(f"{name!r} where the full tensor {target!r} was announced")

@@ -14,6 +14,7 @@ ENGINE_NAME = INT8_SYNC_BACKEND
 ENGINE_MODULE = f"{__name__.rpartition('.')[0]}.int8_engine"
 SETTINGS_KWARGS = ("quantization", "ignore", "weight_bits", "experts")
 TRANSPORT_KWARGS = ("rest_dtype", "tie_word_embeddings", "device", "timeout_s", "multi_sender")
+DELTA_KWARGS = ("delta", "full_sync_every")
 
 
 def rollout_settings(quantization: str = "int8", ignore: Iterable[str] | str = (), weight_bits: int = 8,
@@ -32,3 +33,16 @@ def engine_kwargs_for(rollout: RolloutSettings) -> dict[str, Any]:
 def settings_of(engine_kwargs: Mapping | None) -> RolloutSettings:
     kwargs = dict((engine_kwargs or {}).items())
     return rollout_settings(**{k: kwargs[k] for k in SETTINGS_KWARGS if k in kwargs})
+
+
+def delta_settings_error(delta: Any, full_sync_every: Any) -> str | None:
+    """What is wrong with the delta mode's ``engine_kwargs`` (None: nothing), for the engine and the driver:
+    ``delta`` (send only what changed since the last sync; default false) and ``full_sync_every`` (a full sync
+    every K syncs; 0, the default, only when one is forced)."""
+    if not isinstance(delta, bool):
+        return f"delta={delta!r}: must be true or false"
+    if isinstance(full_sync_every, bool) or not isinstance(full_sync_every, int) or full_sync_every < 0:
+        return f"full_sync_every={full_sync_every!r}: must be an integer >= 0 (0: full only when forced)"
+    if full_sync_every and not delta:
+        return f"full_sync_every={full_sync_every} without delta=true: every sync is full already"
+    return None

@@ -14,9 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from qurl_verl.checkpoint_engine.engine_settings import (
+    DELTA_KWARGS,
     ENGINE_MODULE,
     SETTINGS_KWARGS,
     TRANSPORT_KWARGS,
+    delta_settings_error,
     engine_kwargs_for,
     settings_of,
 )
@@ -71,11 +73,18 @@ def check_int8_sync(cfg: Any, rollout: RolloutSettings | None, hf_config: Mappin
             f"that builds one. Set {MODULE_KEY}={ENGINE_MODULE}"
         )
     kwargs = select(cfg, KWARGS_KEY) or {}
-    unknown = sorted(set(kwargs) - set(SETTINGS_KWARGS) - set(TRANSPORT_KWARGS))
+    unknown = sorted(set(kwargs) - set(SETTINGS_KWARGS) - set(TRANSPORT_KWARGS) - set(DELTA_KWARGS))
     if unknown:
         raise QurlConfigError(
             f"{KWARGS_KEY} has {', '.join(unknown)}, which the engine does not take (it takes "
-            f"{', '.join(SETTINGS_KWARGS + TRANSPORT_KWARGS)}). Remove " + " ".join(f"~{KWARGS_KEY}.{k}" for k in unknown)
+            f"{', '.join(SETTINGS_KWARGS + TRANSPORT_KWARGS + DELTA_KWARGS)}). Remove "
+            + " ".join(f"~{KWARGS_KEY}.{k}" for k in unknown)
+        )
+    problem = delta_settings_error(kwargs.get("delta", False), kwargs.get("full_sync_every", 0))
+    if problem:
+        raise QurlConfigError(
+            f"{KWARGS_KEY}.{problem}. Set +{KWARGS_KEY}.delta=true to send only what changed (with "
+            f"+{KWARGS_KEY}.full_sync_every=K for a full sync every K syncs), or remove both"
         )
     try:
         sent = settings_of(kwargs)

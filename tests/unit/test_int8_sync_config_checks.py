@@ -155,3 +155,25 @@ def test_a_tied_lm_head_the_model_does_not_have_and_unknown_kwargs_are_refused(q
     with pytest.raises(QurlConfigError, match=r"has bucket_mb, which the engine does not take.*Remove "
                                               r"~actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.qurl_int8.bucket_mb"):
         qc.check_config(compose_ppo_config([*untied, f"+{CE}.engine_kwargs.qurl_int8.bucket_mb=4"]))
+
+
+def test_the_delta_mode_passes_and_bad_delta_settings_are_refused(qurl):
+    """``delta`` and ``full_sync_every`` pass the driver and reach the engine; wrong values are refused by the
+    driver and by the engine itself, naming the fix."""
+    from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
+
+    delta = [*qurl, *int8_sync(), f"+{CE}.engine_kwargs.qurl_int8.delta=true"]
+    qc.check_config(compose_ppo_config(delta))
+    qc.check_config(compose_ppo_config([*delta, f"+{CE}.engine_kwargs.qurl_int8.full_sync_every=10"]))
+    with pytest.raises(QurlConfigError, match=r"full_sync_every=10 without delta=true.*Set \+actor_rollout_ref.*"
+                                              r"qurl_int8.delta=true"):
+        qc.check_config(compose_ppo_config([*qurl, *int8_sync(), f"+{CE}.engine_kwargs.qurl_int8.full_sync_every=10"]))
+    with pytest.raises(QurlConfigError, match=r"delta='yes': must be true or false"):
+        qc.check_config(compose_ppo_config([*qurl, *int8_sync(), f"+{CE}.engine_kwargs.qurl_int8.delta=yes"]))
+    with pytest.raises(QurlConfigError, match=r"full_sync_every=-1: must be an integer >= 0"):
+        qc.check_config(compose_ppo_config([*delta, f"+{CE}.engine_kwargs.qurl_int8.full_sync_every=-1"]))
+    with pytest.raises(ValueError, match=r"qurl_int8: full_sync_every=3 without delta=true"):
+        QurlInt8CheckpointEngine(1 << 20, device="cpu", full_sync_every=3)
+    engine = QurlInt8CheckpointEngine(1 << 20, device="cpu", delta=True, full_sync_every=5)
+    assert engine.delta_sender.full_sync_every == 5 and engine.delta_receiver is not None
+    assert QurlInt8CheckpointEngine(1 << 20, device="cpu").delta_sender is None  # off by default
