@@ -255,6 +255,19 @@ def fully_async_int8_sync(r: RunResult) -> None:
         assert row["actor/grad_norm"] > 0 and not [k for k in row if k.startswith(COLOCATED_REPORTS)], row
 
 
+def delta_int8_sync(r: RunResult) -> None:
+    """``engine_kwargs.qurl_int8.delta=true`` (each sync's return value a row: ``fully_async_policy``): the init sync
+    is full, every later one a delta of the changed elements, fewer bytes than the full one, none forced full. That
+    every replica then held the sender's codes bit for bit is ``int8_syncs_reported``'s checksum check."""
+    init, *later = [row for row in r.rows if "qurl_sync/checksum" in row]
+    assert init["qurl_sync/full_sync"] == 1 and init["qurl_sync/delta_fraction"] == 1, init
+    assert later, r.rows
+    for row in later:
+        assert row["qurl_sync/full_sync"] == 0 and row["qurl_sync/full_resyncs"] == 0, row
+        assert 0 < row["qurl_sync/delta_fraction"] < 1 and row["qurl_sync/delta_tensors"] > 0, row
+        assert row["qurl_sync/payload_bytes"] < init["qurl_sync/payload_bytes"], (row, init)
+
+
 def one_step_off_int8_sync(r: RunResult) -> None:
     """verl's ``one_step_off_policy``: step k syncs before its update (the rollout of step k + 1 starts with it), so
     step 1 sends the starting weights again; its row and every later one carry the 8-bit sync's metrics."""

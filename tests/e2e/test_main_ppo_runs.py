@@ -16,7 +16,7 @@ checks to a run here before it adds a run (``tests/README.md``). Each run names 
 | ``colocate_async_lora_adapters`` | ``trainer.v1.trainer_mode=colocate_async``, rank-8 adapters (``lora.merge=false``) | 0.32 | verl's asynchronous colocated trainer: the engine paused and synced every step, the mismatch logged beside verl's staleness (0, then 1), ACR's weight truncated; adapters: UAQ skipped with the reason, the base synced once (quantized), then adapters only, the mismatch small. (UAQ and the code-change rate of the demo: the sync runs) |
 | ``separate_async_int8_sync`` | ``trainer.v1.trainer_mode=separate_async``: the actor and a standalone rollout replica on their own logical GPUs, synced through ``checkpoint_engine.backend=qurl_int8`` | 0.32 | verl's disaggregated trainer with the 8-bit sync: the trainer quantizes and sends codes + scales; the rollout loads them as they come (quantizes nothing) and its report (``qurl_sync/rollout/*``) reaches the logger with the next sync; at every sync the replica holds the sender's codes bit for bit (checksums), at the first the checkpoint's direct quantization, new codes after each update; the mismatch beside verl's staleness (0, then 1) |
 | ``one_step_off_policy_int8_sync`` | ``python -m verl.experimental.one_step_off_policy.main_ppo``, its ``rollout.*`` pool of one logical GPU, ``qurl_int8`` over gloo; ``hydra.searchpath`` names verl's installed config | 0.32 | verl's one-step-off trainer: UAQ prepared before Ray by the runtime-env wrapper (the entry point skips ``validate_config`` in the driver); the same sync checks, step 1 re-sending the starting weights (the same codes); the first batch's mismatch at 8-bit scale |
-| ``fully_async_policy_int8_sync`` | ``python -m verl.experimental.fully_async_policy.fully_async_main``, ``data.train_batch_size=0``, a sync after each step, ``qurl_int8`` over gloo | 0.32 | verl's fully asynchronous trainer: UAQ prepared by the wrapper; each sync's report logged by ``patches/always/fully_async_sync_metrics`` (verl drops it), the init sync's the checkpoint's direct quantization, every later one the codes sent before; verl logs step 1's training metrics with the next sync and never the last step's |
+| ``fully_async_policy_int8_sync`` | ``python -m verl.experimental.fully_async_policy.fully_async_main``, ``data.train_batch_size=0``, a sync after each step, ``qurl_int8`` over gloo | 0.32 | verl's fully asynchronous trainer: UAQ prepared by the wrapper; each sync's report logged by ``patches/always/fully_async_sync_metrics`` (verl drops it), the init sync's the checkpoint's direct quantization, every later one the codes sent before; verl logs step 1's training metrics with the next sync and never the last step's; the sync in its delta mode (``engine_kwargs.qurl_int8.delta=true``, actor lr 1e-5): the init sync full, each later one the changed elements only, fewer bytes, and still every replica bit for bit |
 | ``two_ray_nodes_moe`` | ``trainer.nnodes=2`` on a two-node Ray cluster, the tiny Qwen3-MoE | 0.32 | the CPU platform and metrics reach both nodes; both replicas hold the same codes, new at each sync, the whole masters' at step 1; INT8 attention, full-precision experts re-built every step, verl's own probability diff and the KL at INT8 scale |
 
 The FP8 KV cache runs only where vLLM-CPU has one (AVX-512 or AMX); elsewhere those runs go on without it
@@ -39,6 +39,7 @@ from main_ppo_checks import (
     acr_truncates,
     async_mismatch_beside_staleness,
     critic_trained,
+    delta_int8_sync,
     disaggregated_int8_sync,
     fp8_kv_cache_on_this_cpu,
     fully_async_int8_sync,
@@ -88,9 +89,12 @@ STANDALONE_ROLLOUT_POOL = (
 # one_step_off's config names verl's base config as ``file://verl/trainer/config``, a folder relative to the
 # working directory (verl's source checkout); an installed verl is found through its package instead
 ONE_STEP_OFF_INT8_SYNC = ("hydra.searchpath=[pkg://verl.trainer.config]", *STANDALONE_ROLLOUT_POOL)
-# fully_async counts prompts (one per generation batch): 2 steps of 4 prompts, a sync after each
+# fully_async counts prompts (one per generation batch): 2 steps of 4 prompts, a sync after each; the 8-bit sync in
+# its delta mode, at an RL learning rate (the recipe's 1e-3 changes most codes at every step: a delta of nearly
+# everything, sent in full)
 FULLY_ASYNC_INT8_SYNC = ("data.train_batch_size=0", "rollout.total_rollout_steps=8",
-                         "async_training.trigger_parameter_sync_step=1", *STANDALONE_ROLLOUT_POOL)
+                         "async_training.trigger_parameter_sync_step=1", *STANDALONE_ROLLOUT_POOL,
+                         f"+{INT8_SYNC}.engine_kwargs.qurl_int8.delta=true", "actor_rollout_ref.actor.optim.lr=1e-5")
 # verl 0.9.1's separate_async with hybrid_engine=false logs at INFO with print's ``flush=True``
 # (trainer_separate_async.py:181), a TypeError in ``logging``; above INFO the call returns before it
 VERL_HYBRID_ENGINE_OFF_WORKAROUND = ("VERL_LOGGING_LEVEL", "WARNING")
@@ -165,7 +169,7 @@ RUNS = (
     # verl logs a step's training metrics with the next sync: the last step's never reach the logger
     Run("fully_async_policy_int8_sync", main_module=FULLY_ASYNC_POLICY, own_uaq_cache=True, trained_rows=1,
         overrides=FULLY_ASYNC_INT8_SYNC,
-        checks=(uaq_prepared_by_the_runtime_env, standalone_rollout_trained, fully_async_int8_sync)),
+        checks=(uaq_prepared_by_the_runtime_env, standalone_rollout_trained, fully_async_int8_sync, delta_int8_sync)),
     Run("two_ray_nodes_moe", model=moe_model, ray_nodes=2, own_uaq_cache=True,
         overrides=("trainer.nnodes=2", "trainer.n_gpus_per_node=1", "ray_kwargs.ray_init.num_cpus=null",
                    "ray_kwargs.ray_init.num_gpus=null"),
