@@ -326,6 +326,20 @@ def markdown(report: dict) -> str:
         lines.append(f"- {r['model']} {r['update']} {'UAQ' if r['uaq'] else 'no UAQ'}: "
                      f"{fmt_bytes(m['int8_codes_bytes'])} / {fmt_bytes(m['int8_scales_bytes'])} / "
                      f"{fmt_bytes(m['rest_bytes'])}")
+    lines += ["", "## Index encodings by density", "",
+              "Per changed element, its position costs 4 bytes as an int32 (delta_sharded), 1/(8p) bytes in a bitmap "
+              "at density p, and ceil(log2(1/p)/7) or so as a gap varint (1 byte for gaps below 128, 2 below 16,384). "
+              "A bitmap beats gap varints only where gaps are 1 byte and p > 1/8, and a delta beats the tensor up to "
+              "p = 7/8 (int8) or 15/16 (bf16) in a bitmap. At the densities measured here gap varints win everywhere "
+              "(the chosen and the `gaps` columns agree); bytes per changed element, position and value, measured:", "",
+              "| model | update | UAQ | INT8 code | bf16 rest | delta_sharded (int32 + bf16) |",
+              "|---|---|---|---:|---:|---:|"]
+    for r in report["runs"].values():
+        syncs = r["per_sync"]
+        code = sum(x["int8"]["chosen"] for x in syncs) / max(1.0, sum(x["int8"]["changed"] for x in syncs))
+        rest = sum(x["rest_bf16"]["chosen"] for x in syncs) / max(1.0, sum(x["rest_bf16"]["changed"] for x in syncs))
+        lines.append(f"| {r['model']} | {r['update']} | {'1.5 q/k/v' if r['uaq'] else 'off'} | {code:.2f} | {rest:.2f} "
+                     f"| {DELTA_SHARDED_BYTES_PER_CHANGE} |")
     if report.get("roofline"):
         lines += ["", f"## Network time per sync from these fractions (one replica; {report['roofline_from']})", "",
                   "| model | stream | bytes / sync | " + " | ".join(f"s at {g} Gb/s" for g in LINKS_GBPS) + " |",
