@@ -2,8 +2,10 @@
 channel, relays, a group kept across syncs) run in three CPU processes over ``qurl_testkit.nccl_stand_ins``
 (cupy, ``ray.util.collective`` on gloo, the CUDA calls). Two actor ranks on one node and one rollout rank,
 two syncs per case, with verl's ``multi_sender`` on (the second actor rank relays: it must cut the same
-buckets from its own encoded stream) and off (it is left out and only drains its stream). The rollout
-receives exactly ``quantize_state_dict`` of the trainer's tensors, the rest in bf16, a tied lm_head left out."""
+buckets from its own encoded stream) and off (it is left out and only drains its stream), then the delta mode
+(``multi_sender`` asked for and turned off: rank 0 sends alone; the second sync a delta of lr-sized changes). The
+rollout receives exactly ``quantize_state_dict`` of the trainer's tensors, the rest in bf16, a tied lm_head left
+out."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +22,8 @@ from qurl_verl.settings import RolloutSettings
 BUCKET = 8 << 10  # several buckets per sync, the bf16 embedding (18.8 KiB) split across three
 SYNCS = 2
 CASES = (True, False)  # multi_sender
+DELTA = "delta"  # multi_sender=True with engine_kwargs delta=true; its second sync moves the first's weights by 1e-3
+ALL_CASES = (*CASES, DELTA)
 SIDES = ("actor_0", "actor_1", "rollout")  # the order verl's manager lists them in
 NODES = {"actor_0": "node-a", "actor_1": "node-a", "rollout": "node-b"}
 
@@ -37,9 +41,16 @@ def state(step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def expected(step: int) -> list[tuple[str, torch.Tensor]]:
+def state_of(case, step: int) -> dict[str, torch.Tensor]:
+    if case != DELTA or step == 1:
+        return state(step)
+    g = torch.Generator().manual_seed(100 + step)
+    return {n: t + 1e-3 * torch.randn(t.shape, generator=g).sign() for n, t in state_of(case, step - 1).items()}
+
+
+def expected(step: int, case=True) -> list[tuple[str, torch.Tensor]]:
     settings = RolloutSettings(format="int8")
-    kept = [(n, t) for n, t in state(step).items() if n != "lm_head.weight"]
+    kept = [(n, t) for n, t in state_of(case, step).items() if n != "lm_head.weight"]
     return [(n, t.to(torch.bfloat16) if t.dtype == torch.float32 and not n.endswith("weight_scale") else t)
             for n, t in quantize_state_dict(kept, settings.quant_scheme, ignore=settings.ignore_patterns)]
 
@@ -53,9 +64,10 @@ def _run(side: str, store_dir: str, inbox, outbox) -> None:
 
     async def main():
         out = []
-        for multi_sender in CASES:
+        for case in ALL_CASES:
+            multi_sender = case if case != DELTA else True
             engine = QurlInt8CheckpointEngine(BUCKET, is_master=side == "actor_0", tie_word_embeddings=True,
-                                              device="cuda", multi_sender=multi_sender)
+                                              device="cuda", multi_sender=multi_sender, delta=case == DELTA)
             assert engine.on_cuda
             for step in range(1, SYNCS + 1):
                 outbox.put((side, pickle.dumps(engine.prepare())))
@@ -72,8 +84,8 @@ def _run(side: str, store_dir: str, inbox, outbox) -> None:
                     result = [(n, str(t.dtype), tuple(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes())
                               for n, t in received]
                 else:
-                    result = await engine.send_weights(iter(state(step).items()), global_steps=step)
-                out.append((multi_sender, step, engine.transport.rank, result,
+                    result = await engine.send_weights(iter(state_of(case, step).items()), global_steps=step)
+                out.append((case, step, engine.transport.rank, result,
                             id(collective.groups.get("qurl_int8"))))
                 engine.finalize()
             collective.next_case()
@@ -93,7 +105,7 @@ def syncs(tmp_path_factory):
         p.start()
     out = {}
     try:
-        for _ in range(len(CASES) * SYNCS):  # verl's manager: every prepare, then every init_process_group
+        for _ in range(len(ALL_CASES) * SYNCS):  # verl's manager: every prepare, then every init_process_group
             prepared = dict(outbox.get(timeout=120) for _ in SIDES)
             for side in SIDES:
                 inboxes[side].put([prepared[s] for s in SIDES])
@@ -142,3 +154,24 @@ def test_rollout_receives_the_codes_bit_for_bit_through_verls_nccl_engine(syncs,
             assert "qurl_sync/rollout_reports" not in metrics
     # verl keeps the group across syncs (rebuild_group=False): one group object per rank and case
     assert rollout[0][4] == rollout[1][4] != id(None) and sender[0][4] == sender[1][4]
+
+
+def test_the_delta_mode_through_verls_nccl_engine(syncs):
+    """Rank 0 sends alone (the relay asked for is left out); the first sync full, the second a delta of fewer bytes;
+    the rollout bit for bit at both."""
+    rollout = [r for r in syncs["rollout"] if r[0] == DELTA]
+    sender = [r for r in syncs["actor_0"] if r[0] == DELTA]
+    relay = [r for r in syncs["actor_1"] if r[0] == DELTA]
+    for (_, step, rank, received, _), (_, _, _, metrics, _), (_, _, relay_rank, _, _) in zip(rollout, sender, relay):
+        want = expected(step, DELTA)
+        assert [n for n, *_ in received] == [n for n, _ in want]
+        for (name, dtype, shape, data), (_, t) in zip(received, want):
+            assert (dtype, shape) == (str(t.dtype), tuple(t.shape)) and data == as_bits(t), name
+        assert (relay_rank, rank) == (-1, 1)
+        direct = StreamStats()
+        direct.add_checksum(want)
+        assert metrics["qurl_sync/checksum"] == direct.checksum
+        assert metrics["qurl_sync/full_sync"] == (step == 1) and metrics["qurl_sync/full_resyncs"] == 0
+    first, second = sender[0][3], sender[1][3]
+    assert 0 < second["qurl_sync/delta_fraction"] < 0.5 and second["qurl_sync/delta_tensors"] > 0
+    assert second["qurl_sync/payload_bytes"] < 0.6 * first["qurl_sync/payload_bytes"]
