@@ -19,6 +19,8 @@ run bench/diagnose_fidelity.py --inits gain4 fanin --engine-inits --out bench/re
 run bench/bench_step_overheads.py --reps 2 --no-bf16-sync
 run bench/bench_sync_scaling.py
 run bench/bench_lora_sync.py  # LoRA adapter vs full-weight sync (Qwen2.5-0.5B shape), KL beside full fine-tuning: ~8 min
+run bench/bench_delta_sync.py  # what changes per 8-bit sync at lr 1e-6, offline (0.5B / 7B shapes): ~3 min
+run bench/bench_delta_sync_engine.py  # the delta mode through the engine beside the full syncs, 20 syncs: ~12 min
 run bench/bench_kv_cache_capacity.py  # KV-cache capacity and long-context throughput, BF16 vs FP8 KV: ~10 min
 run bench/bench_rollout_throughput.py --formats bf16 int8 --blocks 3 --reps 1 --max-tokens 64 --batches 1 8 32 --budget-s 1500
 # the same with oneDNN and torch capped at AVX2 (how a CPU without VNNI runs INT8; a no-op on an AVX2 CPU, where the
