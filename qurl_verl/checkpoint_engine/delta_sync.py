@@ -159,8 +159,11 @@ class DeltaSender:
         return SyncMode.DELTA, ""
 
     def encode(self, tensors: Iterable[tuple[str, torch.Tensor]], mode: SyncMode,
-               stats: DeltaSyncStats | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The wire tensors of this sync; the copy and the checksum are updated as tensors go out."""
+               stats: DeltaSyncStats | None = None,
+               checksum_of_tensors: Callable[[], int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The wire tensors of this sync; the copy and the checksum are updated as tensors go out.
+        ``checksum_of_tensors``: where ``tensors``' producer leaves their ``StreamStats`` checksum once they are
+        all out (the engine's codec computes it anyway: one pass over the model, not two)."""
         stats = stats if stats is not None else DeltaSyncStats()
         sync_id = self.last_sync + 1
         base = self.last_sync if mode is SyncMode.DELTA else NO_BASE
@@ -172,7 +175,8 @@ class DeltaSender:
         yield SYNC_HEADER, _header([int(mode), sync_id, base, 0])
         for name, tensor in tensors:
             host = _host(tensor)
-            checksum.add_checksum(((name, host),))
+            if checksum_of_tensors is None:
+                checksum.add_checksum(((name, host),))
             old = self.copy.get(name) if mode is SyncMode.DELTA else None
             self.copy[name] = host
             seen.add(name)
@@ -197,9 +201,9 @@ class DeltaSender:
         self.last_sync = sync_id
         if mode is SyncMode.FULL:
             self.last_full = sync_id
-        stats.checksum = checksum.checksum
+        stats.checksum = checksum.checksum if checksum_of_tensors is None else checksum_of_tensors()
         self.checksums = {k: v for k, v in self.checksums.items() if k >= sync_id - 1}
-        self.checksums[sync_id] = checksum.checksum
+        self.checksums[sync_id] = stats.checksum
 
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.copy.values())

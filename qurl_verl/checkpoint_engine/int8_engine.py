@@ -192,7 +192,8 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
         if delta is None:
             stream = self.encoder.encode(weights, stats)
         else:
-            tensors = self.delta_sender.encode(self.encoder.model_tensors(weights, stats), *delta)
+            tensors = self.delta_sender.encode(self.encoder.model_tensors(weights, stats), *delta,
+                                               checksum_of_tensors=lambda: stats.checksum)
             stream = (pair for name, tensor in tensors for pair in aligned(name, tensor))
         if self.on_cuda:
             from .nccl_transport import counted
