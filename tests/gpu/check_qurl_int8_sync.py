@@ -55,7 +55,8 @@ permutation within a tensor keeps it.)
 ``--dry-run`` (CPU only): the same script with ``engine_kwargs["device"] = "cpu"`` (the engine's gloo transport)
 and CPU-only Ray actors: everything but NCCL and the memory check runs.
 
-Without 2 GPUs (and no ``--dry-run``) it prints ``SKIPPED`` and exits 0; without verl or Ray it exits 2. Otherwise
+Without 2 GPUs (and no ``--dry-run``) it prints ``SKIPPED`` and exits 0; without verl or Ray (or, on GPU, cupy) it
+exits 2. Otherwise
 it exits 0 when every check passed, 1 on any failure (a timeout included). Writes the result (every check, the engine's metrics, the memory
 numbers, versions, seconds) as JSON to ``--out``.
 """
@@ -387,10 +388,12 @@ def main(argv=None) -> int:
         print(f"SKIPPED: this check needs 2 CUDA GPUs, {torch.cuda.device_count()} visible "
               "(--dry-run runs its flow on a CPU)", flush=True)
         return 0
-    missing = [m for m in ("verl", "ray", "transformers") if importlib.util.find_spec(m) is None]
+    # verl's NCCLCheckpointEngine (the engine's CUDA transport) imports cupy: needed on GPU only
+    needed = ("verl", "ray", "transformers") + (() if args.dry_run else ("cupy",))
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         print(f"CANNOT RUN: {', '.join(missing)} not installed; this check runs in a verl 0.9.1 environment "
-              "(verl, Ray, transformers) with qurl-verl", flush=True)
+              "(verl, Ray, transformers; cupy on GPU) with qurl-verl", flush=True)
         return 2
     started = time.monotonic()
     result = {"dry_run": args.dry_run, "versions": versions(), "argv": sys.argv[1:] if argv is None else list(argv)}
