@@ -121,8 +121,16 @@ class QurlInt8CheckpointEngine(CheckpointEngine):
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list):
-        """The gloo transport's when ``prepare`` returned its plain dict, verl's NCCL engine's otherwise."""
-        if isinstance(metadata[0], dict) and metadata[0].get("transport") == GLOO:
+        """The gloo transport's when ``prepare`` returned its plain dict, verl's NCCL engine's otherwise; every worker
+        must have prepared the same transport (one ``device`` for the trainer and the rollout sides)."""
+        on_gloo = [isinstance(m, dict) and m.get("transport") == GLOO for m in metadata]
+        if any(on_gloo) and not all(on_gloo):
+            workers = [i for i, gloo in enumerate(on_gloo) if gloo != on_gloo[0]]
+            raise ValueError(
+                f"{ENGINE_NAME}: the workers prepared different transports (worker 0 {'gloo' if on_gloo[0] else 'NCCL'}, "
+                f"workers {workers} the other): the trainer and the rollout sides must run on the same device type. "
+                f"Set engine_kwargs.{ENGINE_NAME}.device to cpu or cuda for both, or leave it unset on GPU machines")
+        if on_gloo[0]:
             return GlooTransport.build_topology(actor_wg_world_size, rollout_world_size, metadata)
         from .nccl_transport import NcclTransport
 

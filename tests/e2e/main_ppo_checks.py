@@ -205,6 +205,24 @@ def unsharded_checksum(uaq_dir: Path) -> int:
     return stream.stats.checksum
 
 
+def int8_sync_payload_bytes(uaq_dir: Path) -> int:
+    """What one ``qurl_int8`` sync of the starting checkpoint carries, counted from its shapes alone: each
+    ``*_proj`` linear as one byte a weight plus an fp32 scale a row, every other tensor in the rollout's bf16, and
+    no tied ``lm_head.weight`` (verl's FSDP stream carries it, the engine leaves it out; a tied checkpoint's files
+    hold the embedding alone)."""
+    from safetensors import safe_open
+
+    (checkpoint,) = uaq_dir.iterdir()
+    total = 0
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                shape = f.get_slice(name).get_shape()
+                numel = math.prod(shape)
+                total += numel + 4 * shape[0] if name.endswith("_proj.weight") and len(shape) == 2 else 2 * numel
+    return total
+
+
 def disaggregated_int8_sync(r: RunResult, start_resent: bool = False) -> None:
     """``checkpoint_engine.backend=qurl_int8`` to a standalone rollout (verl's ``separate_async``,
     ``one_step_off_policy``): the trainer quantized the 14 linears and sent codes + scales + the rest; the rollout
@@ -216,6 +234,8 @@ def disaggregated_int8_sync(r: RunResult, start_resent: bool = False) -> None:
     for row in r.rows:  # step 2's batch is one update stale: measured k3 ~2e-2 (one_step_off), within the bound
         assert row["actor/grad_norm"] > 0 and 0 <= row["actor/qurl/kl_behav_prox_k3"] < KL_BOUND, row
     int8_syncs_reported(r.rows, unsharded_checksum(r.uaq_dir), start_resent)
+    # the bytes sent: codes, scales and the bf16 rest, without the tied lm_head's duplicate
+    assert {row["qurl_sync/payload_bytes"] for row in r.rows} == {int8_sync_payload_bytes(r.uaq_dir)}, r.rows
 
 
 def int8_syncs_reported(rows: list[dict], first_reported: float, start_resent: bool = False) -> None:

@@ -71,10 +71,10 @@ VOCAB_PADDED = 520  # not a multiple of vLLM's padding of 64
 TWO_RANKS = ("trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2")
 INT8_SYNC = "actor_rollout_ref.rollout.checkpoint_engine"
 # verl's disaggregated trainer: one logical GPU for the actor, one for a standalone rollout replica, synced through
-# the 8-bit checkpoint engine (the tracker off: codes arrive quantized; the rest sent in the rollout's bf16)
+# the 8-bit checkpoint engine (the tracker off: codes arrive quantized; the driver fills the rest's dtype, the
+# rollout's bf16, and the model's tied embedding into engine_kwargs)
 QURL_INT8_ENGINE = (
     f"{INT8_SYNC}.backend=qurl_int8", f"{INT8_SYNC}.custom_backend_module=qurl_verl.checkpoint_engine.int8_engine",
-    f"+{INT8_SYNC}.engine_kwargs.qurl_int8.rest_dtype=bfloat16",
     "+actor_rollout_ref.rollout.custom.qurl.code_change_row_stride=0")
 SEPARATE_ASYNC_INT8_SYNC = (
     "trainer.v1.trainer_mode=separate_async", "trainer.v1.separate_async.parameter_sync_step=1",

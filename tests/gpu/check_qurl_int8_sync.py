@@ -15,8 +15,11 @@ WHAT RAN WHERE. The ``--dry-run`` flow ran on CPU (verl 0.9.1, Ray, torch 2.11 a
 were written without a GPU: nothing on CUDA was run.
 
 What it does, as verl's ``CheckpointEngineManager`` does it in the disaggregated modes. A local Ray (``num_gpus=2``)
-holds two actors: the trainer side (actor rank 0, one GPU, ``is_master=True``) and one rollout worker (the other
-GPU). Each builds its engine through verl's registry (``import qurl_verl.checkpoint_engine.int8_engine``, then
+holds two Ray actors with one GPU each (``num_gpus=1``: Ray sets each one's ``CUDA_VISIBLE_DEVICES``, and verl's
+``NCCLCheckpointEngine`` inside reads its node from ``ray.get_runtime_context().get_node_id()``, its zmq address
+from ``ray.util.get_node_ip_address()`` and builds its group through ``ray.util.collective``; the trainer side's
+buffers are cupy's, so cupy must be installed): the trainer side (actor rank 0, ``is_master=True``) and one
+rollout worker. Each builds its engine through verl's registry (``import qurl_verl.checkpoint_engine.int8_engine``, then
 ``CheckpointEngineRegistry.new("qurl_int8", bucket_size=..., is_master=..., **engine_kwargs)``). Per sync:
 ``prepare()`` on both, the registered class's ``build_topology(1, 1, [metadata_actor, metadata_rollout])``,
 ``init_process_group(**kwargs)`` on each side, ``send_weights`` / ``receive_weights`` concurrently, ``finalize()``.
@@ -29,15 +32,19 @@ Checks, per sync (a ``PASS``/``FAIL`` line each):
 - ``bits``: what the rollout received, name by name, equal bit for bit (dtype, shape, bytes) to a direct
   ``quantize_state_dict`` of the same weights with the engine's settings (``engine_settings.settings_of``),
   computed on the rollout worker's device, the rest in the rollout's dtype, and the tied ``lm_head.weight`` left
-  out (``ENGINE_SENDS_TIED_LM_HEAD``);
+  out (``engine_kwargs["tie_word_embeddings"]``, read from the tiny model's ``config.json`` as the driver fills it:
+  ``qurl_verl.driver.int8_sync_checks.ties_word_embeddings``);
 - ``checksum_sent``: the sender's ``qurl_sync/checksum`` equal to ``StreamStats().add_checksum`` over what the
   rollout received; ``checksum_direct``: that sum equal to the same sum over the direct quantization;
 - ``codes_changed`` (from sync 2): every 8-bit tensor holds other codes than at the sync before (the syncs are not
   the same bytes twice);
-- ``memory`` (GPU only): ``torch.cuda.memory_reserved()`` on the rollout GPU after ``finalize()`` at most
-  ``MEMORY_SLACK_BYTES`` above where it was before the first sync (the rollout's vLLM re-maps its KV cache after
-  the sync; a cache the engine keeps is memory it cannot have). The numbers (before, peak, after; and the
-  device's used memory from ``cudaMemGetInfo``, which counts NCCL's buffers too) are in the result;
+- ``memory`` (GPU only): the rollout GPU's caching allocator held verl's two bucket buffers during the sync
+  (``torch.cuda.max_memory_reserved()`` at least ``2 * bucket`` above the level before the first sync: the check
+  sees the memory it then wants back), and after ``finalize()`` (verl's engine drops its buffers and calls
+  ``empty_cache``) ``torch.cuda.memory_reserved()`` is at most ``MEMORY_SLACK_BYTES`` above that level (the
+  rollout's vLLM re-maps its KV cache after the sync; a cache the engine keeps is memory it cannot have). The
+  numbers (before, peak, after; and the device's used memory from ``cudaMemGetInfo``, which counts NCCL's
+  communicator buffers too: the group is kept across syncs, ``rebuild_group=False``) are in the result;
 - time: every ``ray.get`` has a timeout (``--timeout-s``), and so has the engine's group.
 
 ``--perturb-sent-weight NAME`` (self-test): from ``--perturb-from-sync`` on, the trainer sends ``NAME`` negated
@@ -48,7 +55,8 @@ permutation within a tensor keeps it.)
 ``--dry-run`` (CPU only): the same script with ``engine_kwargs["device"] = "cpu"`` (the engine's gloo transport)
 and CPU-only Ray actors: everything but NCCL and the memory check runs.
 
-Without 2 GPUs (and no ``--dry-run``) it prints ``SKIPPED`` and exits 0; without verl or Ray it exits 2. Otherwise
+Without 2 GPUs (and no ``--dry-run``) it prints ``SKIPPED`` and exits 0; without verl or Ray (or, on GPU, cupy) it
+exits 2. Otherwise
 it exits 0 when every check passed, 1 on any failure (a timeout included). Writes the result (every check, the engine's metrics, the memory
 numbers, versions, seconds) as JSON to ``--out``.
 """
@@ -72,10 +80,6 @@ sys.path.insert(0, str(REPO))  # qurl_recipes (the tiny model)
 ENGINE_NAME = "qurl_int8"
 ENGINE_MODULE = "qurl_verl.checkpoint_engine.int8_engine"  # verl's custom_backend_module
 CHECKSUM_METRIC = "qurl_sync/checksum"
-# Whether the engine sends the tied ``lm_head.weight`` that verl's FSDP state_dict streams beside the embedding.
-# The engine at 0.2.0 sends it (the rollout worker drops it); the rebuilt engine skips it, and this check then
-# expects it missing from what arrives. Flip to False with that engine.
-ENGINE_SENDS_TIED_LM_HEAD = True
 TIED_LM_HEAD = "lm_head.weight"
 ROLLOUT_DTYPE = "bfloat16"  # verl's default rollout dtype: what the rest is sent in (``--rest-dtype``)
 # The GPU run's model: the Qwen2 shape of check_qurl_vllm_cuda.py (about 45 M parameters, 180 MB of fp32 masters,
@@ -90,10 +94,10 @@ MEMORY_SLACK_BYTES = 2 << 20
 DEFAULT_OUT = REPO / "outputs" / "gpu_checks"
 
 
-def expected_stream(weights: dict, engine_kwargs: dict, device: str, tied: bool) -> list[tuple[str, object]]:
+def expected_stream(weights: dict, engine_kwargs: dict, device: str) -> list[tuple[str, object]]:
     """What the rollout must receive: ``quantize_state_dict`` of the trainer's weights with the engine's settings,
-    the full-precision rest (not codes, not scales) in the rest dtype, without the tied lm_head once the engine
-    skips it."""
+    the full-precision rest (not codes, not scales) in the rest dtype, without lm_head when ``engine_kwargs`` says
+    the model ties it to the embedding."""
     import torch
 
     from qurl_verl.checkpoint_engine.engine_settings import settings_of
@@ -101,7 +105,8 @@ def expected_stream(weights: dict, engine_kwargs: dict, device: str, tied: bool)
 
     settings = settings_of(engine_kwargs)
     rest_dtype = getattr(torch, engine_kwargs["rest_dtype"]) if engine_kwargs.get("rest_dtype") else None
-    named = ((n, t.to(device)) for n, t in weights.items() if not (tied and n == TIED_LM_HEAD and not ENGINE_SENDS_TIED_LM_HEAD))
+    tied = bool(engine_kwargs.get("tie_word_embeddings"))
+    named = ((n, t.to(device)) for n, t in weights.items() if not (tied and n == TIED_LM_HEAD))
     out = []
     for name, t in quantize_state_dict(named, settings.quant_scheme, ignore=settings.ignore_patterns):
         if rest_dtype is not None and t.is_floating_point() and t.element_size() > 1 and not name.endswith("weight_scale"):
@@ -178,11 +183,11 @@ class SyncSide:
             received.append((name, to_wire(t)))
         return {"tensors": received, "checksum": stats.checksum}
 
-    def direct(self, weights: dict, engine_kwargs: dict, tied: bool) -> dict:
+    def direct(self, weights: dict, engine_kwargs: dict) -> dict:
         """The reference on this worker's device: the direct quantization of the same weights."""
         from qurl_verl.rollout.sync_stats import StreamStats
 
-        expected = expected_stream(weights, engine_kwargs, self.device, tied)
+        expected = expected_stream(weights, engine_kwargs, self.device)
         stats = StreamStats()
         stats.add_checksum(expected)
         return {"tensors": [(n, to_wire(t)) for n, t in expected], "checksum": stats.checksum}
@@ -202,8 +207,9 @@ class SyncSide:
         return out
 
 
-def build_weights(tmp: Path, dry_run: bool) -> tuple[dict, bool]:
-    """The tiny Qwen2's fp32 weights as verl's FSDP ``state_dict`` streams them (the tied lm_head included)."""
+def build_weights(tmp: Path, dry_run: bool) -> tuple[dict, dict]:
+    """The tiny Qwen2's fp32 weights as verl's FSDP ``state_dict`` streams them (the tied lm_head included), and its
+    ``config.json``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -213,10 +219,9 @@ def build_weights(tmp: Path, dry_run: bool) -> tuple[dict, bool]:
     model_dir = build_tiny_model(tmp / "model", spec, dtype="float32")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     weights = {n: t.detach().clone() for n, t in model.state_dict().items()}
-    tied = bool(model.config.tie_word_embeddings)
-    if tied:  # one tensor under both names, as in the module's state_dict
+    if model.config.tie_word_embeddings:  # one tensor under both names, as in the module's state_dict
         weights[TIED_LM_HEAD] = weights["model.embed_tokens.weight"]
-    return weights, tied
+    return weights, json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def perturbed(weights: dict, step: int) -> dict:
@@ -270,13 +275,19 @@ def run(args) -> dict:
     import torch
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
+    from qurl_verl.driver.int8_sync_checks import ties_word_embeddings
+
     importlib.import_module(ENGINE_MODULE)
     engine_cls = CheckpointEngineRegistry.get(ENGINE_NAME)
-    engine_kwargs = {"quantization": args.quantization, "rest_dtype": args.rest_dtype,
-                     "device": "cpu" if args.dry_run else "cuda", "timeout_s": args.timeout_s}
     bucket = DRY_RUN_BUCKET_BYTES if args.dry_run else GPU_BUCKET_BYTES
+    with tempfile.TemporaryDirectory() as tmp:
+        weights, hf_config = build_weights(Path(tmp), args.dry_run)
+    # what the driver fills in engine_kwargs.qurl_int8: the rollout's dtype and the model's tie_word_embeddings
+    engine_kwargs = {"quantization": args.quantization, "rest_dtype": args.rest_dtype,
+                     "tie_word_embeddings": ties_word_embeddings(hf_config),
+                     "device": "cpu" if args.dry_run else "cuda", "timeout_s": args.timeout_s}
     result = {"engine_kwargs": engine_kwargs, "bucket_bytes": bucket, "engine_class": engine_cls.__qualname__,
-              "sends_tied_lm_head": ENGINE_SENDS_TIED_LM_HEAD, "syncs": []}
+              "syncs": []}
     checks = result["checks"] = []
 
     def check(name: str, step: int | None, outcome: dict) -> None:
@@ -285,10 +296,8 @@ def run(args) -> dict:
         detail = {k: v for k, v in outcome.items() if k != "ok"}
         print(f"{'PASS' if outcome['ok'] else 'FAIL'} {name}{where}: {json.dumps(detail, default=str)}", flush=True)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        weights, tied = build_weights(Path(tmp), args.dry_run)
     result["model"] = {"tensors": len(weights), "fp32_bytes": sum(t.numel() * 4 for t in weights.values()),
-                       "tie_word_embeddings": tied}
+                       "tie_word_embeddings": hf_config.get("tie_word_embeddings")}
 
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=2, num_gpus=0 if args.dry_run else 2, include_dashboard=False,
@@ -317,14 +326,16 @@ def run(args) -> dict:
             get([trainer.finalize.remote(), rollout.finalize.remote()])
             after = get(rollout.memory.remote())
             sync_s = time.monotonic() - started
-            direct = get(rollout.direct.remote(shared, engine_kwargs, tied))
+            direct = get(rollout.direct.remote(shared, engine_kwargs))
             check("bits", step, compare(received["tensors"], direct["tensors"]))
             sent, got, want = metrics.get(CHECKSUM_METRIC), float(received["checksum"]), float(direct["checksum"])
             check("checksum_sent", step, {"ok": sent == got, "sent": sent, "received": got})
             check("checksum_direct", step, {"ok": got == want, "received": got, "direct": want})
             check("codes_changed", step, changed_codes(received["tensors"], previous))
             if not args.dry_run:
-                check("memory", step, {"ok": after["reserved"] <= baseline["reserved"] + MEMORY_SLACK_BYTES,
+                held = during["peak_reserved"] >= before["reserved"] + 2 * bucket  # verl's two bucket buffers
+                back = after["reserved"] <= baseline["reserved"] + MEMORY_SLACK_BYTES
+                check("memory", step, {"ok": held and back, "buffers_seen": held, "released": back,
                                        "reserved_first": baseline["reserved"], "reserved_before": before["reserved"],
                                        "peak_reserved": during["peak_reserved"], "reserved_after": after["reserved"],
                                        "device_used_before": before["device_used"],
@@ -377,10 +388,12 @@ def main(argv=None) -> int:
         print(f"SKIPPED: this check needs 2 CUDA GPUs, {torch.cuda.device_count()} visible "
               "(--dry-run runs its flow on a CPU)", flush=True)
         return 0
-    missing = [m for m in ("verl", "ray", "transformers") if importlib.util.find_spec(m) is None]
+    # verl's NCCLCheckpointEngine (the engine's CUDA transport) imports cupy: needed on GPU only
+    needed = ("verl", "ray", "transformers") + (() if args.dry_run else ("cupy",))
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         print(f"CANNOT RUN: {', '.join(missing)} not installed; this check runs in a verl 0.9.1 environment "
-              "(verl, Ray, transformers) with qurl-verl", flush=True)
+              "(verl, Ray, transformers; cupy on GPU) with qurl-verl", flush=True)
         return 2
     started = time.monotonic()
     result = {"dry_run": args.dry_run, "versions": versions(), "argv": sys.argv[1:] if argv is None else list(argv)}

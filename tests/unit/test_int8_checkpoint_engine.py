@@ -228,6 +228,10 @@ def test_registered_and_refuses_bf16():
     assert len({m["members"] for m in actor["master_metadata"] + rollout["master_metadata"]}) == 1
     other, _ = QurlInt8CheckpointEngine.build_topology(3, 2, [master, *members[1:4], {**members[4], "member": "x"}])
     assert other["master_metadata"][0]["members"] != actor["master_metadata"][0]["members"]
+    # a rollout worker that prepared another transport (verl's NCCL metadata, or nothing) than the trainer's gloo
+    for odd in (None, object()):
+        with pytest.raises(ValueError, match=r"different transports .*workers \[4\]"):
+            QurlInt8CheckpointEngine.build_topology(3, 2, [master, *members[1:4], odd])
 
 
 @pytest.mark.parametrize("quantization,rest_dtype", [("int8", None), ("fp8", None), ("fp8_block", None),

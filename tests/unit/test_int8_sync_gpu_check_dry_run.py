@@ -75,13 +75,15 @@ def test_dry_run_passes_until_the_trainer_sends_a_wrong_weight(tmp_path):
     assert result["engine_class"] == "QurlInt8CheckpointEngine"
     assert {a["engine_class"] for a in result["actors"].values()} == {
         "qurl_verl.checkpoint_engine.int8_engine.QurlInt8CheckpointEngine"}
-    assert result["engine_kwargs"] == {"quantization": "int8", "rest_dtype": "bfloat16", "device": "cpu",
-                                       "timeout_s": 300.0}
+    # tie_word_embeddings as the driver fills it from the tiny model's config.json (which ties)
+    assert result["engine_kwargs"] == {"quantization": "int8", "rest_dtype": "bfloat16", "tie_word_embeddings": True,
+                                       "device": "cpu", "timeout_s": 300.0}
     model = result["model"]
     assert model["tie_word_embeddings"] is True
     for sync in result["syncs"]:
-        assert sync["received_tensors"] == model["tensors"] + 14 - (0 if result["sends_tied_lm_head"] else 1)
-        assert sync["tied_lm_head_received"] is result["sends_tied_lm_head"]
+        # the state_dict's tensors, a weight_scale per decoder linear (2 layers x 7), the tied lm_head not sent
+        assert sync["received_tensors"] == model["tensors"] + 14 - 1
+        assert sync["tied_lm_head_received"] is False
         assert sync["metrics"]["qurl_sync/payload_bytes"] > 0
     assert [s["perturbed"] for s in result["syncs"]] == [None, None, PERTURBED]
     assert result["ok"] is False and proc.returncode == 1, (proc.returncode, proc.stderr[-3000:])
