@@ -277,10 +277,13 @@ def fully_async_int8_sync(r: RunResult) -> None:
 
 def delta_int8_sync(r: RunResult) -> None:
     """``engine_kwargs.qurl_int8.delta=true`` (each sync's return value a row: ``fully_async_policy``): the init sync
-    is full, every later one a delta of the changed elements, fewer bytes than the full one, none forced full. That
-    every replica then held the sender's codes bit for bit is ``int8_syncs_reported``'s checksum check."""
+    is full (its bytes the count from the checkpoint's shapes and the delta mode's sync header, four int64), every
+    later one a delta of the changed elements, fewer
+    bytes than the full one, none forced full. That every replica then held the sender's codes bit for bit is
+    ``int8_syncs_reported``'s checksum check."""
     init, *later = [row for row in r.rows if "qurl_sync/checksum" in row]
     assert init["qurl_sync/full_sync"] == 1 and init["qurl_sync/delta_fraction"] == 1, init
+    assert init["qurl_sync/payload_bytes"] == int8_sync_payload_bytes(r.uaq_dir) + 4 * 8, init
     assert later, r.rows
     for row in later:
         assert row["qurl_sync/full_sync"] == 0 and row["qurl_sync/full_resyncs"] == 0, row
