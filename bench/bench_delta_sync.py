@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import bench_harness  # noqa: F401 - sys.path first
 import torch
 from bench_harness import RESULTS, environment, loadavg, write_result
-from bench_int8_sync import element_counts, stream_bytes
+from bench_int8_sync import model_tensors, stream_bytes
 from roofline_shapes import MODEL_SHAPES, ModelShape
 
 from qurl_verl.checkpoint_engine import delta_codec
@@ -226,10 +226,22 @@ def summarize(s: ModelShape, syncs: list[dict]) -> dict:
     return out
 
 
+def element_counts(s: ModelShape) -> dict[str, int]:
+    """Elements of a full 8-bit sync by part, from ``bench_int8_sync.model_tensors``: the decoder linears' codes,
+    their rows (one fp32 scale each) and the rest (embedding, an untied lm_head, norms, biases; in bf16)."""
+    n = {1: 0, 4: 0, 2: 0}
+    for shape, element_size in model_tensors(s, "int8+bf16"):
+        numel = 1
+        for size in shape:
+            numel *= size
+        n[element_size] += numel
+    return {"linear": n[1], "rows": n[4], "rest": n[2]}
+
+
 def bytes_per_element(s: ModelShape, summary: dict, fmt: str) -> dict[str, float]:
     """The measured delta's bytes per element of each part, to carry the fractions to another shape."""
     n = element_counts(s)
-    rest = (1 if s.tie_word_embeddings else 2) * n["embedding"] + n["other_rest"]
+    rest = n["rest"]
     return {"codes": summary[f"{fmt}_codes_bytes"] / n["linear"], "rest": summary["rest_bytes"] / rest,
             "bf16_model_changed": summary["changed_fraction"]["bf16_model"]}
 
@@ -237,7 +249,7 @@ def bytes_per_element(s: ModelShape, summary: dict, fmt: str) -> dict[str, float
 def roofline(per_element: dict[str, float], target: ModelShape) -> dict:
     """Bytes per sync of ``target`` from the measured per-element delta bytes, and seconds on each link."""
     n = element_counts(target)
-    rest = (1 if target.tie_word_embeddings else 2) * n["embedding"] + n["other_rest"]
+    rest = n["rest"]
     delta = per_element["codes"] * n["linear"] + per_element["rest"] * rest + 4 * n["rows"]
     model = n["linear"] + rest
     streams = {"verl fp32": stream_bytes(target, "fp32"),
