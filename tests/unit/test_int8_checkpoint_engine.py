@@ -9,8 +9,8 @@ import pickle
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from qurl_testkit.engine_processes import manager_topology, run_engine_processes
 from qurl_verl.checkpoint_engine.engine_settings import ENGINE_NAME
 from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
@@ -128,28 +128,8 @@ def _run(side: str, inbox, outbox) -> None:
 def syncs():
     """Every case's two syncs between a trainer and two rollout processes, this process in verl's manager's
     place: {case: {side: [per sync: (what it got or returned, ...)]}}."""
-    ctx = mp.get_context("spawn")
-    inboxes, outbox = {side: ctx.Queue() for side in SIDES}, ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(side, inboxes[side], outbox)) for side in SIDES]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(len(CASES) * SYNCS):
-            prepared = dict(outbox.get(timeout=120) for _ in SIDES)
-            actor, rollout = QurlInt8CheckpointEngine.build_topology(1, len(ROLLOUTS), [prepared[s] for s in SIDES])
-            inboxes["trainer"].put({k: v[0] for k, v in actor.items()})
-            for i, side in enumerate(ROLLOUTS):
-                inboxes[side].put({k: v[i] for k, v in rollout.items()})
-        for _ in SIDES:
-            side, result = outbox.get(timeout=120)
-            out[side] = pickle.loads(result)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
+    out = run_engine_processes(_run, SIDES, len(CASES) * SYNCS,
+                               manager_topology(QurlInt8CheckpointEngine, "trainer", ROLLOUTS))
     return {case: {side: [([(n, from_wire(t)) for n, t in received], *rest) for received, *rest in out[side][case]]
                    if side in ROLLOUTS else out[side][case] for side in SIDES} for case in CASES}
 

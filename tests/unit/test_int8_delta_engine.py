@@ -11,8 +11,8 @@ import pickle
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from qurl_testkit.engine_processes import manager_topology, run_engine_processes
 from qurl_verl.checkpoint_engine.delta_sync import PAYLOAD_PREFIX
 from qurl_verl.checkpoint_engine.int8_engine import QurlInt8CheckpointEngine
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
@@ -123,29 +123,7 @@ def _run(side: str, inbox, outbox) -> None:
 
 @pytest.fixture(scope="module")
 def syncs():
-    ctx = mp.get_context("spawn")
-    inboxes, outbox = {side: ctx.Queue() for side in SIDES}, ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(side, inboxes[side], outbox)) for side in SIDES]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(SYNCS):
-            prepared = dict(outbox.get(timeout=120) for _ in SIDES)
-            actor, rollout = QurlInt8CheckpointEngine.build_topology(1, 2, [prepared[s] for s in SIDES])
-            inboxes["trainer"].put({k: v[0] for k, v in actor.items()})
-            for i, side in enumerate(SIDES[1:]):
-                inboxes[side].put({k: v[i] for k, v in rollout.items()})
-        for _ in SIDES:
-            side, result = outbox.get(timeout=120)
-            out[side] = pickle.loads(result)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    return out
+    return run_engine_processes(_run, SIDES, SYNCS, manager_topology(QurlInt8CheckpointEngine, SIDES[0], SIDES[1:]))
 
 
 def same_bits(received, reference) -> bool:

@@ -13,8 +13,8 @@ import pickle
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from qurl_testkit.engine_processes import run_engine_processes
 from qurl_verl.quant.compressed_tensors_format import quantize_state_dict
 from qurl_verl.rollout.sync_stats import StreamStats, post_rollout_report, take_rollout_report
 from qurl_verl.settings import RolloutSettings
@@ -97,28 +97,10 @@ def _run(side: str, store_dir: str, inbox, outbox) -> None:
 
 @pytest.fixture(scope="module")
 def syncs(tmp_path_factory):
-    ctx = mp.get_context("spawn")
     store_dir = str(tmp_path_factory.mktemp("collective"))
-    inboxes, outbox = {side: ctx.Queue() for side in SIDES}, ctx.Queue()
-    procs = [ctx.Process(target=_run, args=(side, store_dir, inboxes[side], outbox)) for side in SIDES]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(len(ALL_CASES) * SYNCS):  # verl's manager: every prepare, then every init_process_group
-            prepared = dict(outbox.get(timeout=120) for _ in SIDES)
-            for side in SIDES:
-                inboxes[side].put([prepared[s] for s in SIDES])
-        for _ in SIDES:
-            side, result = outbox.get(timeout=120)
-            out[side] = pickle.loads(result)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs)
-    return out
+    # verl's manager: every prepare, then every init_process_group (the stand-in engine builds its own topology)
+    return run_engine_processes(_run, SIDES, len(ALL_CASES) * SYNCS,
+                               lambda prepared: {side: [prepared[s] for s in SIDES] for side in SIDES}, (store_dir,))
 
 
 def as_bits(t: torch.Tensor) -> bytes:
