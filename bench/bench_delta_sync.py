@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import bench_harness  # noqa: F401 - sys.path first
 import torch
-from bench_harness import RESULTS, environment, loadavg, write_result
+from bench_harness import RESULTS, environment, loadavg, recorded_args, write_result
 from bench_int8_sync import model_tensors, stream_bytes
 from roofline_shapes import MODEL_SHAPES, ModelShape
 
@@ -364,6 +364,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -375,7 +376,7 @@ def main() -> None:
     p.add_argument("--out", default=str(RESULTS / "delta_sync"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    report = {"environment": environment(), "args": vars(args), "tensor_std": TENSOR_STD, "runs": {}}
+    report = {"environment": environment(), "args": recorded_args(args), "tensor_std": TENSOR_STD, "runs": {}}
     for key in args.models:
         report["runs"].update(run_model(key, args))
         report["loadavg_end"] = loadavg()

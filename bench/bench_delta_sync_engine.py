@@ -31,7 +31,7 @@ import time
 import bench_harness  # noqa: F401 - sys.path first
 import torch
 import torch.multiprocessing as mp
-from bench_harness import RESULTS, environment, loadavg, write_result
+from bench_harness import RESULTS, environment, loadavg, recorded_args, write_result
 from bench_int8_sync import stream_bytes
 from roofline_shapes import MODEL_SHAPES, ModelShape
 
@@ -236,6 +236,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--syncs", type=int, default=20)
@@ -243,7 +244,7 @@ def main() -> None:
     p.add_argument("--update", default="adam", choices=["adam", "sign"])
     p.add_argument("--out", default=str(RESULTS / "delta_sync_engine"))
     args = p.parse_args()
-    report = {"environment": environment(), "args": vars(args)}
+    report = {"environment": environment(), "args": recorded_args(args)}
     out = measure(args)
     report.update(loadavg_end=loadavg(), summary=summarize(out), per_sync=out)
     write_result(args.out, report, markdown(report))

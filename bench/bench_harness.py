@@ -122,6 +122,13 @@ class TimeBudget:
         return self.elapsed() > self.seconds
 
 
+def recorded_args(args) -> dict:
+    """A run's arguments as its results file keeps them: ``--out`` relative to the repository, never this
+    machine's path (results files are committed)."""
+    out = Path(args.out).resolve()
+    return {**vars(args), "out": str(out.relative_to(REPO)) if out.is_relative_to(REPO) else out.name}
+
+
 def write_json(path: Path, report: dict, indent: int = 1) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -157,7 +157,7 @@ def test_uaq_with_an_experimental_rollout_pool_on_two_nodes_needs_a_shared_cache
 
 @pytest.mark.parametrize("overrides", [
     pytest.param((*SEPARATE_ASYNC, *INT8_SYNC), id="the_e2e_separate_async_run"),
-    pytest.param((*SEPARATE_ASYNC, *INT8_SYNC, "qurl.uaq.cache_dir=/tmp/uaq"), id="with_its_own_cache"),
+    pytest.param((*SEPARATE_ASYNC, *INT8_SYNC, SHARED), id="with_its_own_cache"),
     pytest.param(("actor_rollout_ref.rollout.nnodes=2",), id="colocated_sync_ignores_the_rollout_pool_size"),
     pytest.param(("+ray_kwargs.ray_init.address=local",), id="ray_init_address_local_starts_a_new_cluster"),
 ])
