@@ -27,6 +27,7 @@ steps), bit-identical to an uninterrupted run. Never imports verl or vLLM.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import random
@@ -43,14 +44,16 @@ from qurl_recipes.study_fp8_kv import FP8KVCache, KVScales, attended_kv_ranges, 
 from qurl_recipes.study_rollout import (
     build_rollout,
     changed_code_shares,
+    exact_kl,
     exact_rewards,
     masked_mean,
     mismatch_stats,
     quantized_codes,
+    response_log_dists,
     response_log_probs,
     sample,
 )
-from qurl_recipes.study_settings import VARIANTS, StudySettings
+from qurl_recipes.study_settings import VARIANTS, StudySettings, recorded_settings
 from qurl_recipes.uaq_vs_lr import clip_grad_norm_as_uaq_, group_normalised_advantages, per_group_lr_param_groups
 from qurl_verl.losses.acr import acr_token_loss
 from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
@@ -81,6 +84,8 @@ class StudyRun:
         self._order = random.Random(seed)
         self._queue: list[int] = []
         self._codes: dict[str, torch.Tensor] | None = None
+        # (step, fp32 weights at its start) of the last ``staleness`` + 1 steps: the oldest is what the rollout holds
+        self._past: list[tuple[int, dict[str, torch.Tensor]]] = []
         # the scales the next rollout's FP8 KV cache uses: 1.0 until the trainer has measured K and V
         self.kv_scales = KVScales.initial(self.model.config.num_hidden_layers) if self.variant.fp8_kv else None
 
@@ -89,7 +94,7 @@ class StudyRun:
         per-step seeds; the global RNG is kept too, so that nothing depends on that holding."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "order": self._order.getstate(), "queue": list(self._queue), "codes": self._codes,
-                "torch_rng": torch.get_rng_state(),
+                "past": list(self._past), "torch_rng": torch.get_rng_state(),
                 "kv_scales": self.kv_scales.state_dict() if self.kv_scales is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -98,9 +103,42 @@ class StudyRun:
         self._order.setstate(state["order"])
         self._queue = list(state["queue"])
         self._codes = state["codes"]
+        self._past = list(state.get("past", []))  # absent from checkpoints written before the staleness setting
         torch.set_rng_state(state["torch_rng"])
         kv = state.get("kv_scales")  # absent from checkpoints of variants written before the FP8 KV arm
         self.kv_scales = KVScales(kv["k"], kv["v"]) if kv is not None else None
+
+    def behaviour_weights(self, step: int) -> tuple[nn.Module, int]:
+        """The trainer weights the rollout holds at ``step`` and how many updates old they are: the current
+        model itself without staleness, else a copy of the weights from ``staleness`` steps ago (the start
+        while there are fewer), which ``step`` records before it updates."""
+        k = self.settings.staleness
+        if not k:
+            return self.model, 0
+        self._past.append((step, {n: t.detach().clone() for n, t in self.model.state_dict().items()}))
+        del self._past[:-(k + 1)]
+        source_step, weights = self._past[0]
+        stale = copy.deepcopy(self.model)
+        stale.load_state_dict(weights)
+        return stale, step - source_step
+
+    def mismatch_parts(self, weights: nn.Module, policy: nn.Module, rollout, prox_dists: torch.Tensor,
+                       mask: torch.Tensor, age: int) -> dict[str, float]:
+        """KL(pi_behav || pi_prox) and its two parts as defined pairs, exact over the vocabulary at the
+        positions the rollout visited: staleness = KL(BF16 copy of the rollout's weights || BF16 copy of the
+        current ones), quantization = KL(the rollout policy || the BF16 copy of its own weights). KL does not
+        add, so the total is measured, not summed. A BF16 rollout's quantization part is 0, as is the
+        staleness part of a step whose rollout holds the current weights."""
+        bf16 = VARIANTS["bf16"]
+        with torch.no_grad(), attention_hook(self.rollout_kv_cache()):
+            behaviour = response_log_dists(policy, rollout)
+        with torch.no_grad():
+            own_bf16 = behaviour if self.variant.rollout == "bf16" else \
+                response_log_dists(build_rollout(weights, bf16, self.settings.weight_bits), rollout)
+            current_bf16 = own_bf16 if age == 0 else \
+                response_log_dists(build_rollout(self.model, bf16, self.settings.weight_bits), rollout)
+        return {"kl_total": exact_kl(behaviour, prox_dists, mask), "kl_staleness": exact_kl(own_bf16, current_bf16, mask),
+                "kl_quantization": exact_kl(behaviour, own_bf16, mask)}
 
     def rollout_kv_cache(self) -> FP8KVCache | None:
         """The FP8 KV cache of this step's rollout policy, None for a variant without one."""
@@ -137,9 +175,10 @@ class StudyRun:
     def step(self, step: int) -> dict:
         s, v = self.settings, self.variant
         t0 = time.perf_counter()
-        policy = build_rollout(self.model, v, s.weight_bits)
+        weights, age = self.behaviour_weights(step)
+        policy = build_rollout(weights, v, s.weight_bits)
         sync_s = time.perf_counter() - t0
-        record: dict = {"step": step}
+        record: dict = {"step": step, "staleness": age}
         codes = quantized_codes(policy)
         if codes and self._codes is not None:
             record["changed_code_share"], record["changed_code_share_qkv"] = changed_code_shares(self._codes, codes)
@@ -159,9 +198,12 @@ class StudyRun:
         t2 = time.perf_counter()
         mask = rollout.response_mask.float()
         with torch.no_grad():
-            prox = response_log_probs(self.model, rollout)
+            prox_dists = response_log_dists(self.model, rollout)
+        prox = prox_dists.gather(-1, rollout.sequences[:, -mask.shape[1]:, None]).squeeze(-1)
         log_w = prox - rollout.behaviour_log_probs
         record.update(mismatch_stats(log_w, mask, s.is_cap))
+        record.update(self.mismatch_parts(weights, policy, rollout, prox_dists, mask, age))
+        del prox_dists
         if kv_cache is not None:
             record.update(self.kv_scales.stats(), kv_fill_max=kv_cache.fill)
             # the mismatch the cache adds on its own: KL(pi_behav || the same W{b}A8 policy without
@@ -233,7 +275,7 @@ def run(model_dir: str | Path, variant: str, seed: int, settings: StudySettings,
         raise ValueError(f"checkpoint_every must be >= 0, got {checkpoint_every}")
     folder = Path(out_dir) / variant / f"seed{seed}"
     metrics, summary = folder / "metrics.jsonl", folder / "run.json"
-    if summary.exists() and json.loads(summary.read_text()).get("settings") == asdict(settings):
+    if summary.exists() and recorded_settings(json.loads(summary.read_text()).get("settings", {})) == asdict(settings):
         print(f"[study] {variant} seed {seed}: finished earlier, kept ({folder})", flush=True)
         return folder
     folder.mkdir(parents=True, exist_ok=True)

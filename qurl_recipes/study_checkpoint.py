@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qurl_recipes.study_settings import StudySettings
+from qurl_recipes.study_settings import StudySettings, recorded_settings
 
 if TYPE_CHECKING:  # the run imports this module
     from qurl_recipes.grpo_study import StudyRun
@@ -36,7 +36,8 @@ def resume(study: StudyRun, checkpoint: Path, partial: Path) -> tuple[int, float
     if not checkpoint.exists():
         return 0, 0.0, []
     saved = torch.load(checkpoint, weights_only=True)
-    if {k: saved.get(k) for k in ("variant", "seed", "settings")} != _identity(study.name, study.seed, study.settings):
+    found = {"variant": saved.get("variant"), "seed": saved.get("seed"), "settings": recorded_settings(saved.get("settings") or {})}
+    if found != _identity(study.name, study.seed, study.settings):
         print(f"{label}: checkpoint at step {saved.get('next_step')} has other settings; starting over", flush=True)
         return 0, 0.0, []
     lines = partial.read_text().splitlines(keepends=True) if partial.exists() else []

@@ -88,13 +88,27 @@ def sample(policy: nn.Module, tokenizer, prompts: list[str], group_size: int, ma
     return Rollout(out.sequences, attention_mask, response_mask, behaviour, texts, entropy)
 
 
-def response_log_probs(model: nn.Module, rollout: Rollout, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
-    """log pi(response token | prefix) under ``model`` for the given rows, [n, L] float32."""
+def response_log_dists(model: nn.Module, rollout: Rollout, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+    """log pi(. | prefix) over the whole vocabulary at every response position, [n, L, V] float32."""
     seqs, mask = rollout.sequences[rows], rollout.attention_mask[rows]
     length = rollout.response_mask.shape[1]
     logits = model(input_ids=seqs, attention_mask=mask, position_ids=_position_ids(mask)).logits
-    logits = logits[:, -length - 1:-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, seqs[:, -length:, None]).squeeze(-1)
+    return torch.log_softmax(logits[:, -length - 1:-1].float(), dim=-1)
+
+
+def response_log_probs(model: nn.Module, rollout: Rollout, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+    """log pi(response token | prefix) under ``model`` for the given rows, [n, L] float32."""
+    length = rollout.response_mask.shape[1]
+    tokens = rollout.sequences[rows][:, -length:, None]
+    return response_log_dists(model, rollout, rows).gather(-1, tokens).squeeze(-1)
+
+
+def exact_kl(p_log: torch.Tensor, q_log: torch.Tensor, mask: torch.Tensor) -> float:
+    """KL(p || q) summed over the whole vocabulary at each response position, averaged over the positions
+    the behaviour policy's samples visited: exact per position, where the sampled-token estimators
+    (``mismatch_stats``) are noisy. Takes log-probabilities [n, L, V]."""
+    per_position = (p_log.exp() * (p_log - q_log)).sum(-1)
+    return masked_mean(per_position, mask)
 
 
 def exact_rewards(texts: list[str], answers: list[int]) -> torch.Tensor:

@@ -29,6 +29,9 @@ VARIANTS: dict[str, Variant] = {
     "acr_per_group_lr_uaq_clip": Variant("quantized", "acr", per_group_lr=True, clip_as_uaq=True),
     "tis_fp8kv": Variant("quantized", "tis", fp8_kv=True),
     "acr_uaq_fp8kv": Variant("quantized", "acr", uaq=True, fp8_kv=True),
+    # the staleness arms' BF16 rollouts: a stale BF16 behaviour policy needs the same correction as a quantized one
+    "bf16_tis": Variant("bf16", "tis"),
+    "bf16_acr": Variant("bf16", "acr"),
 }
 
 
@@ -52,6 +55,10 @@ class StudySettings:
     n_val: int = 64
     val_every: int = 25
     data_seed: int = 0
+    # the behaviour policy is the rollout-format copy of the weights from this many updates (steps) ago, the
+    # proximal one the current full-precision weights, as verl's asynchronous trainers run decoupled PPO;
+    # the first steps use the oldest weights there are (the start), so their staleness is the step number
+    staleness: int = 0
 
     def __post_init__(self):
         int_format(self.weight_bits)  # validates 4..8
@@ -60,3 +67,15 @@ class StudySettings:
                              f"{self.mini_batches} equal mini-batches")
         if self.steps < 1 or self.val_every < 1:
             raise ValueError("steps and val_every must be positive")
+        if self.staleness < 0:
+            raise ValueError(f"staleness counts updates and must be >= 0, got {self.staleness}")
+
+
+# settings added after runs were recorded, with the value those runs ran under
+_ADDED_SINCE = {"staleness": 0}
+
+
+def recorded_settings(settings: dict) -> dict:
+    """A run's recorded settings in today's terms: a setting it predates holds the value it ran under,
+    so a finished run or a report of an earlier version still counts as the same settings."""
+    return {**_ADDED_SINCE, **settings}

@@ -357,3 +357,136 @@ def test_kv_scales_start_at_one_then_follow_the_update_forwards_k_v_ranges(tiny,
     resumed.load_state_dict(study.state_dict())
     assert isinstance(resumed.kv_scales, KVScales)
     assert torch.equal(resumed.kv_scales.k, study.kv_scales.k) and torch.equal(resumed.kv_scales.v, study.kv_scales.v)
+
+
+# --- staleness: the behaviour policy is the rollout copy of older weights ---------------------------------------------
+
+
+def test_exact_kl_is_the_float64_sum_over_the_vocabulary():
+    """Tolerance: float32 log-softmax and summation over a 7-token vocabulary against float64 (1e-6 relative)."""
+    g = torch.Generator().manual_seed(0)
+    p_logits, q_logits = torch.randn(3, 5, 7, generator=g), torch.randn(3, 5, 7, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    got = grpo_study.exact_kl(torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1), mask)
+    total = n = 0.0
+    for i in range(3):
+        for t in range(5):
+            if mask[i, t]:
+                p, q = torch.softmax(p_logits[i, t].double(), -1), torch.softmax(q_logits[i, t].double(), -1)
+                total += float((p * (p.log() - q.log())).sum())
+                n += 1
+    assert got == pytest.approx(total / n, rel=1e-6)
+    assert grpo_study.exact_kl(torch.log_softmax(p_logits, -1), torch.log_softmax(p_logits, -1), mask) == 0.0
+
+
+def test_settings_refuse_negative_staleness():
+    with pytest.raises(ValueError, match="staleness"):
+        StudySettings(staleness=-1)
+
+
+def _small(**kw):
+    return StudySettings(**{**dict(steps=4, prompts_per_step=2, group_size=2, n_train=4, n_val=2, val_every=5,
+                                   max_response_tokens=8), **kw})
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_the_rollout_holds_the_weights_from_staleness_steps_ago(tiny, staleness):
+    """At step t the rollout's weights are the trainer's from step max(0, t - k), recorded here before each
+    stand-in update; k = 0 hands out the trainer's own model."""
+    folder, _, _ = tiny
+    study = StudyRun(folder, "tis", 1, _small(staleness=staleness))
+    seen = []
+    for step in range(5):
+        seen.append({n: t.clone() for n, t in study.model.state_dict().items()})
+        weights, age = study.behaviour_weights(step)
+        assert age == min(step, staleness)
+        expected = seen[max(0, step - staleness)]
+        assert (weights is study.model) == (staleness == 0)
+        assert all(torch.equal(weights.state_dict()[n], expected[n]) for n in expected)
+        with torch.no_grad():  # a stand-in update that changes every weight
+            for p in study.model.parameters():
+                p.add_(0.01 * (step + 1))
+
+
+def _direct_kl(p_model, q_model, rollout, mask) -> float:
+    """KL(p || q) per response position in float64 from each model's own logits, averaged over the mask."""
+    length = mask.shape[1]
+
+    def dist(model):
+        am = rollout.attention_mask
+        with torch.no_grad():
+            logits = model(input_ids=rollout.sequences, attention_mask=am,
+                           position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+        return torch.log_softmax(logits[:, -length - 1:-1].double(), -1)
+
+    p, q = dist(p_model), dist(q_model)
+    per = (p.exp() * (p - q)).sum(-1)
+    return float((per * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("variant", ["tis", "bf16_tis"])
+def test_mismatch_parts_are_the_defined_pairs(tiny, variant):
+    """staleness = KL(BF16 copy of the stale weights || BF16 copy of the current ones), quantization =
+    KL(rollout policy || BF16 copy of its own weights), total = KL(rollout policy || fp32 current), each
+    against a float64 KL of the named pair. Tolerance 1e-3 relative: float32 against float64 log-softmax."""
+    folder, _, tok = tiny
+    study = StudyRun(folder, variant, 1, _small(staleness=1))
+    study.behaviour_weights(0)
+    with torch.no_grad():
+        for p in study.model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    weights, age = study.behaviour_weights(1)
+    assert age == 1
+    policy = build_rollout(weights, VARIANTS[variant], 5)
+    rollout = sample(policy, tok, _prompts(tok), group_size=2, max_new_tokens=10, seed=0)
+    mask = rollout.response_mask.float()
+    with torch.no_grad():
+        prox = grpo_study.response_log_dists(study.model, rollout)
+    parts = study.mismatch_parts(weights, policy, rollout, prox, mask, age)
+    bf16 = VARIANTS["bf16"]
+    stale_bf16, current_bf16 = build_rollout(weights, bf16, 5), build_rollout(study.model, bf16, 5)
+    assert parts["kl_staleness"] == pytest.approx(_direct_kl(stale_bf16, current_bf16, rollout, mask), rel=1e-3)
+    assert parts["kl_total"] == pytest.approx(_direct_kl(policy, study.model, rollout, mask), rel=1e-3)
+    if variant == "bf16_tis":
+        assert parts["kl_quantization"] == 0.0
+    else:
+        assert parts["kl_quantization"] == pytest.approx(_direct_kl(policy, stale_bf16, rollout, mask), rel=1e-3)
+        assert parts["kl_quantization"] > 0
+    assert parts["kl_staleness"] > 0
+
+
+def test_a_stale_run_logs_its_staleness_and_resumes_bit_identical(tiny, tmp_path, monkeypatch):
+    """Staleness 2 over 4 steps: ages 0, 1, 2, 2; the staleness part 0 at step 0 and above 0 once the rollout's
+    weights lag an update that moved them (step 0's update is empty: all its rewards are equal); killed during step 3
+    after a checkpoint at step 2, the resumed run (whose rollout needs the weights of step 1, kept in the
+    checkpoint) ends where the uninterrupted one ends. lr 1e-3: updates that a BF16 copy still sees."""
+    folder, _, _ = tiny
+    monkeypatch.setattr(grpo_study, "exact_rewards",
+                        lambda texts, answers: torch.tensor([float(sum(map(ord, t)) % 2) for t in texts]))
+    settings = _small(staleness=2, lr=1e-3)
+    whole = run(folder, "acr_no_uaq", 1, settings, tmp_path / "whole", checkpoint_every=2)
+    rows = _rows(whole)[:-1]
+    assert [r["staleness"] for r in rows] == [0, 1, 2, 2]
+    assert rows[0]["kl_staleness"] == 0 and rows[0]["grad_norm_max"] == 0 < rows[1]["grad_norm_max"]
+    assert all(r["kl_staleness"] > 0 for r in rows[2:])
+    with monkeypatch.context() as m:
+        _interrupt_at(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            run(folder, "acr_no_uaq", 1, settings, tmp_path / "cut", checkpoint_every=2)
+    cut = run(folder, "acr_no_uaq", 1, settings, tmp_path / "cut", checkpoint_every=2)
+    assert _rows(cut) == _rows(whole)
+
+
+def test_a_run_recorded_before_the_staleness_setting_is_kept(tiny, tmp_path, capsys):
+    """A finished run whose run.json predates the setting ran without staleness: the same settings."""
+    folder, _, _ = tiny
+    settings = _small(steps=1)
+    out = run(folder, "bf16", 1, settings, tmp_path)
+    summary = json.loads((out / "run.json").read_text())
+    del summary["settings"]["staleness"]
+    (out / "run.json").write_text(json.dumps(summary))
+    capsys.readouterr()
+    run(folder, "bf16", 1, settings, tmp_path)
+    assert "finished earlier, kept" in capsys.readouterr().out
+    run(folder, "bf16", 1, replace(settings, staleness=1), tmp_path)
+    assert json.loads((out / "run.json").read_text())["settings"]["staleness"] == 1
