@@ -17,10 +17,13 @@ VARIANT_LABELS = {
     "acr_per_group_lr_uaq_clip": "W{b}A8 + ACR + per-group LR, clipped as UAQ",
     "tis_fp8kv": "W{b}A8 + FP8 KV + TIS",
     "acr_uaq_fp8kv": "W{b}A8 + FP8 KV + ACR + UAQ",
+    "bf16_tis": "BF16 rollout + TIS",
+    "bf16_acr": "BF16 rollout + ACR",
 }
 VARIANT_COLORS = {"bf16": "tab:blue", "naive": "tab:orange", "tis": "tab:green", "acr_no_uaq": "tab:red",
                   "acr_uaq": "tab:purple", "acr_per_group_lr": "tab:brown", "acr_per_group_lr_uaq_clip": "tab:olive",
-                  "tis_fp8kv": "tab:cyan", "acr_uaq_fp8kv": "tab:pink"}
+                  "tis_fp8kv": "tab:cyan", "acr_uaq_fp8kv": "tab:pink",
+                  "bf16_tis": "tab:gray", "bf16_acr": "tab:cyan"}
 # each FP8 KV cache arm: the same variant without the cache, and the claim the pair tests
 FP8_KV_PAIRS = {"tis_fp8kv": ("tis", "TIS holds the extra mismatch of an FP8 KV cache"),
                 "acr_uaq_fp8kv": ("acr_uaq", "ACR + UAQ holds the extra mismatch of an FP8 KV cache")}

@@ -48,3 +48,29 @@ def test_study_recipe_runs_seeds_in_parallel_and_reports_and_the_long_horizon_ad
     assert long_horizon["verdicts"][0]["verdict"].startswith("not testable (runs have 3 steps")
     md_after = (tmp_path / "report" / "results.md").read_text()
     assert md_after.startswith(md_before) and "## Long horizon" in md_after[len(md_before):]
+
+
+def test_study_async_recipe_runs_the_staleness_grid_and_reports(tmp_path):
+    """`make study-async` at toy size (CI's smoke test of the staleness setting; the study itself is not run
+    here): a 2 x 2 grid (BF16 / W5A8 + TIS x staleness 0 / 1) for two seeds side by side, then the report;
+    a second call keeps every run."""
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"), REPORT_DIR=str(tmp_path / "report"),
+               STEPS="3", SFT_STEPS="4", SEEDS="1 2")
+    args = ["--lrs", "1e-4", "--staleness-grid", "0", "1", "--variants", "bf16_tis", "tis", "--also",
+            "--n-val", "4", "--prompts-per-step", "2", "--group-size", "2", "--max-response-tokens", "8", "--n-train", "4"]
+    script = str(REPO / "recipes/tiny_cpu/study_async/run.sh")
+    proc = subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "report" / "results.json").read_text())
+    assert set(result["arms"]) == {f"lr0.0001/staleness{k}/{v}" for k in (0, 1) for v in ("bf16_tis", "tis")}
+    assert all(a["seeds"] == [1, 2] and a["steps"] == 3 for a in result["arms"].values())
+    rows = [json.loads(line) for line in
+            (tmp_path / "out/runs/lr0.0001/staleness1/tis/seed1/metrics.jsonl").read_text().splitlines()]
+    assert [r["staleness"] for r in rows[:-1]] == [0, 1, 1]
+    assert result["arms"]["lr0.0001/staleness0/bf16_tis"]["kl_quantization"] == 0
+    assert result["arms"]["lr0.0001/staleness0/tis"]["kl_quantization"] > 0
+    assert any(c["claim"].startswith("lr 0.0001: one step of staleness") for c in result["claims"])
+    assert (tmp_path / "report" / "staleness_quantization.png").stat().st_size > 0
+    again = subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0
+    assert (tmp_path / "out" / "seed1.log").read_text().count("finished earlier, kept") == 4
