@@ -15,7 +15,7 @@ STEPS ?= 3
 VLLM024_TESTS := -m both_stacks
 
 .PHONY: venv venv-vllm024 demo test lint test-vllm032 test-vllm032-unit test-vllm032-engines test-vllm024 test-install test-unit test-integration test-e2e \
-	bench report study study-long clean-outputs
+	bench report study study-long study-async clean-outputs
 
 venv:
 	@bash scripts/install_cpu_stack.sh 0.32
@@ -116,6 +116,11 @@ study: venv
 # "Long horizon" section to the study's report
 study-long: venv
 	LONG_HORIZON=1 bash recipes/tiny_cpu/study/run.sh
+
+# staleness x quantization (docs/study.md): BF16 / W5A8 rollout x staleness 0, 1 (2) x TIS / ACR x lr 1e-5, 4e-5,
+# two seeds, 80 steps each, resumable; tables, verdicts and figures in recipes/tiny_cpu/study_async/
+study-async: venv
+	bash recipes/tiny_cpu/study_async/run.sh
 
 clean-outputs:
 	rm -rf outputs

@@ -60,6 +60,10 @@ from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
 from qurl_verl.quant import apply_uaq
 from qurl_verl.quant.kv_cache import KVRangeObserver
 
+# responses per step the mismatch's parts are measured on (the first prompts' groups): exact per position, so a
+# few thousand positions give a steady mean; the whole batch would cost a third of a step on one core
+KL_PART_ROWS = 32
+
 
 class StudyRun:
     """One variant, one seed: the GRPO loop and its per-step record."""
@@ -128,15 +132,17 @@ class StudyRun:
         positions the rollout visited: staleness = KL(BF16 copy of the rollout's weights || BF16 copy of the
         current ones), quantization = KL(the rollout policy || the BF16 copy of its own weights). KL does not
         add, so the total is measured, not summed. A BF16 rollout's quantization part is 0, as is the
-        staleness part of a step whose rollout holds the current weights."""
-        bf16 = VARIANTS["bf16"]
+        staleness part of a step whose rollout holds the current weights. Measured on the step's first
+        ``KL_PART_ROWS`` responses."""
+        bf16, rows = VARIANTS["bf16"], slice(0, KL_PART_ROWS)
+        prox_dists, mask = prox_dists[rows], mask[rows]
         with torch.no_grad(), attention_hook(self.rollout_kv_cache()):
-            behaviour = response_log_dists(policy, rollout)
+            behaviour = response_log_dists(policy, rollout, rows)
         with torch.no_grad():
             own_bf16 = behaviour if self.variant.rollout == "bf16" else \
-                response_log_dists(build_rollout(weights, bf16, self.settings.weight_bits), rollout)
+                response_log_dists(build_rollout(weights, bf16, self.settings.weight_bits), rollout, rows)
             current_bf16 = own_bf16 if age == 0 else \
-                response_log_dists(build_rollout(self.model, bf16, self.settings.weight_bits), rollout)
+                response_log_dists(build_rollout(self.model, bf16, self.settings.weight_bits), rollout, rows)
         return {"kl_total": exact_kl(behaviour, prox_dists, mask), "kl_staleness": exact_kl(own_bf16, current_bf16, mask),
                 "kl_quantization": exact_kl(behaviour, own_bf16, mask)}
 
