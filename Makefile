@@ -15,7 +15,7 @@ STEPS ?= 3
 VLLM024_TESTS := -m both_stacks
 
 .PHONY: venv venv-vllm024 demo test lint test-vllm032 test-vllm032-unit test-vllm032-engines test-vllm024 test-install test-unit test-integration test-e2e \
-	bench report study study-long study-async clean-outputs
+	bench report study study-long study-async study-async-verl clean-outputs
 
 venv:
 	@bash scripts/install_cpu_stack.sh 0.32
@@ -121,6 +121,11 @@ study-long: venv
 # two seeds, 80 steps each, resumable; tables, verdicts and figures in recipes/tiny_cpu/study_async/
 study-async: venv
 	bash recipes/tiny_cpu/study_async/run.sh
+
+# staleness x quantization through verl itself: colocate_async runs of the tiny recipe, {bf16, int8} x 2 seeds
+# x 20 steps, summarised in recipes/tiny_cpu/study_async/verl_colocate_async.md (about 7.5 min on 2 cores)
+study-async-verl: venv
+	bash recipes/tiny_cpu/study_async/verl_runs.sh
 
 clean-outputs:
 	rm -rf outputs
