@@ -6,7 +6,7 @@ Each group is read from the config node verl hands to the process that needs it:
 |---|---|---|---|
 | rollout | ``actor_rollout_ref.rollout.{name, quantization, custom.qurl.*}`` | ``rollout`` | driver, vLLM server, adapter; the workers through vLLM's ``additional_config`` |
 | loss | ``actor_rollout_ref.actor.policy_loss.{loss_mode, is_cap, acr_upper_cap}`` | ``loss`` (verl's class: ``loss_config``; what the losses need elsewhere: ``loss_requirements``) | driver, actor workers |
-| UAQ | ``qurl.uaq.*`` | ``uaq`` | driver only (the checkpoint is converted before Ray starts) |
+| UAQ | ``qurl.uaq.*`` (mirrored by the presets into ``actor_rollout_ref.rollout.custom.qurl_uaq``) | ``uaq`` | driver (the checkpoint is converted before Ray starts); the vLLM server reads the mirror to refuse a checkpoint without the UAQ record |
 
 ``keys`` spells every key and holds the one reader, ``errors`` the error class and requirement
 tables. Imports only the pure-torch layer (for the defaults it owns) and the standard library, and

@@ -1,4 +1,5 @@
-"""The UAQ group: ``qurl.uaq.*``, read in the driver only (the checkpoint is converted before Ray starts).
+"""The UAQ group: ``qurl.uaq.*``, read in the driver (the checkpoint is converted before Ray starts); the vLLM
+server checks the checkpoint against the presets' mirror of it, ``actor_rollout_ref.rollout.custom.qurl_uaq``.
 Its defaults are the pure layer's (``qurl_verl.quant.uaq``), which the presets leave null."""
 from __future__ import annotations
 
