@@ -31,6 +31,8 @@ PARTS = ("kl_total", "kl_staleness", "kl_quantization")
 PRECISION = {"bf16_tis": "bf16", "bf16_acr": "bf16", "tis": "quantized", "acr_no_uaq": "quantized"}
 CORRECTION = {"bf16_tis": "tis", "bf16_acr": "acr", "tis": "tis", "acr_no_uaq": "acr"}
 SAME_CORRECTION_BF16 = {"tis": "bf16_tis", "acr_no_uaq": "bf16_acr"}
+# a growth ratio within this factor of (lr x updates)^2's counts as quadratic
+QUADRATIC_WITHIN = 1.5
 # a total within this share of the sum of its parts counts as adding up, whatever the seeds' spread
 ADDS_WITHIN = 0.1
 
@@ -112,6 +114,24 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
 
     lrs = sorted({a["lr"] for a in s.values()})
     stale_ks = sorted({a["staleness"] for a in s.values() if a["staleness"] > 0})
+    # staleness's KL against the weights' movement: about (lr x updates)^2 for small steps
+    growth = []
+    low, high = (lrs[0], lrs[-1]) if len(lrs) > 1 else (None, None)
+    def grew(what, big, small, want):
+        if big and small and small["kl_staleness"] > 0:
+            growth.append((what, big["kl_staleness"] / small["kl_staleness"], want))
+
+    if low:
+        grew(f"lr ×{high / low:g} at staleness 1", get(high, 1, "tis"), get(low, 1, "tis"), (high / low) ** 2)
+    for lr in lrs:
+        for k in stale_ks[1:]:
+            grew(f"staleness 1 → {k} at lr {lr:g}", get(lr, k, "tis"), get(lr, 1, "tis"), k ** 2)
+    if growth:
+        within = all(1 / QUADRATIC_WITHIN <= got / want <= QUADRATIC_WITHIN for _, got, want in growth)
+        add("staleness's KL grows as (lr × updates)², W{b}A8 + TIS",
+            "; ".join(f"{what}: ×{got:.1f} (quadratic: ×{want:g})" for what, got, want in growth),
+            f"yes, within ×{QUADRATIC_WITHIN:g} of quadratic" if within else
+            f"no: not within ×{QUADRATIC_WITHIN:g} of quadratic")
     for lr in lrs:
         stale_bf16, quant_fresh = get(lr, 1, "bf16_tis"), get(lr, 0, "tis")
         if stale_bf16 and quant_fresh:
