@@ -12,9 +12,11 @@ import math
 import statistics
 from pathlib import Path
 
+from qurl_recipes.repro_report import moving_average
 from qurl_recipes.study_claims import FINAL_ACCURACY
 from qurl_recipes.study_statistics import (
     SIGNIFICANCE,
+    SMOOTH,
     VARIANT_LABELS,
     beyond_noise,
     difference,
@@ -114,24 +116,27 @@ def claim_checks(s: dict[str, dict]) -> list[dict]:
 
     lrs = sorted({a["lr"] for a in s.values()})
     stale_ks = sorted({a["staleness"] for a in s.values() if a["staleness"] > 0})
-    # staleness's KL against the weights' movement: about (lr x updates)^2 for small steps
-    growth = []
+    # staleness's KL against the weights' movement: about (lr x updates)^2 for small steps, checked in each factor
+    growth: dict[str, list] = {"updates": [], "learning rate": []}
     low, high = (lrs[0], lrs[-1]) if len(lrs) > 1 else (None, None)
-    def grew(what, big, small, want):
+
+    def grew(factor, what, big, small, want):
         if big and small and small["kl_staleness"] > 0:
-            growth.append((what, big["kl_staleness"] / small["kl_staleness"], want))
+            growth[factor].append((what, big["kl_staleness"] / small["kl_staleness"], want))
 
     if low:
-        grew(f"lr ×{high / low:g} at staleness 1", get(high, 1, "tis"), get(low, 1, "tis"), (high / low) ** 2)
+        grew("learning rate", f"lr ×{high / low:g} at staleness 1", get(high, 1, "tis"), get(low, 1, "tis"),
+             (high / low) ** 2)
     for lr in lrs:
         for k in stale_ks[1:]:
-            grew(f"staleness 1 → {k} at lr {lr:g}", get(lr, k, "tis"), get(lr, 1, "tis"), k ** 2)
-    if growth:
-        within = all(1 / QUADRATIC_WITHIN <= got / want <= QUADRATIC_WITHIN for _, got, want in growth)
-        add("staleness's KL grows as (lr × updates)², W{b}A8 + TIS",
-            "; ".join(f"{what}: ×{got:.1f} (quadratic: ×{want:g})" for what, got, want in growth),
-            f"yes, within ×{QUADRATIC_WITHIN:g} of quadratic" if within else
-            f"no: not within ×{QUADRATIC_WITHIN:g} of quadratic")
+            grew("updates", f"staleness 1 → {k} at lr {lr:g}", get(lr, k, "tis"), get(lr, 1, "tis"), k ** 2)
+    for factor, found in growth.items():
+        if found:
+            within = all(1 / QUADRATIC_WITHIN <= got / want <= QUADRATIC_WITHIN for _, got, want in found)
+            add(f"staleness's KL grows as the square of the {factor}, W{{b}}A8 + TIS",
+                "; ".join(f"{what}: ×{got:.1f} (quadratic: ×{want:g})" for what, got, want in found),
+                f"yes, within ×{QUADRATIC_WITHIN:g} of quadratic" if within else
+                f"no: not within ×{QUADRATIC_WITHIN:g} of quadratic")
     for lr in lrs:
         stale_bf16, quant_fresh = get(lr, 1, "bf16_tis"), get(lr, 0, "tis")
         if stale_bf16 and quant_fresh:
@@ -237,8 +242,7 @@ def markdown(s: dict[str, dict], checks: list[dict], settings: dict, cpu: dict, 
 
 
 def plot(arms: dict[str, dict], s: dict[str, dict], out_dir: Path, bits: int) -> list[Path]:
-    """Two figures: the KL parts per arm (bars, log scale) beside the final accuracy, and the total KL per
-    step of every arm (mean over seeds)."""
+    """Two figures: the KL parts per arm (bars, log scale) above the final accuracy, and the parts per step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,9 +258,10 @@ def plot(arms: dict[str, dict], s: dict[str, dict], out_dir: Path, bits: int) ->
     fig, (ax_kl, ax_acc) = plt.subplots(2, 1, figsize=(max(8.0, 0.75 * len(keys)), 7.5), dpi=110, sharex=True)
     for i, (part, color) in enumerate((("kl_staleness", "tab:blue"), ("kl_quantization", "tab:orange"),
                                        ("kl_total", "tab:gray"))):
-        values = np.array([max(s[k][part], 1e-8) for k in keys])
-        errors = np.array([0.0 if math.isnan(s[k][f"{part}_se"]) else s[k][f"{part}_se"] for k in keys])
-        ax_kl.bar(x + (i - 1) * 0.27, values, 0.27, yerr=errors, color=color, label=part.replace("kl_", "KL "))
+        drawn = [j for j, k in enumerate(keys) if s[k][part] > 0]  # a part that is 0 by definition has no bar
+        values = np.array([s[keys[j]][part] for j in drawn])
+        errors = np.array([0.0 if math.isnan(s[keys[j]][f"{part}_se"]) else s[keys[j]][f"{part}_se"] for j in drawn])
+        ax_kl.bar(x[drawn] + (i - 1) * 0.27, values, 0.27, yerr=errors, color=color, label=part.replace("kl_", "KL "))
     ax_kl.set_yscale("log")
     ax_kl.set_ylabel("KL per response token (exact)")
     ax_kl.legend(fontsize=8)
@@ -273,20 +278,30 @@ def plot(arms: dict[str, dict], s: dict[str, dict], out_dir: Path, bits: int) ->
     fig.savefig(written[0])
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7.0, 4.2), dpi=110)
-    for k in keys:
-        curves = [[r.get("kl_total") for r in train_rows(rows)] for rows, _ in arms[k]["seeds"].values()]
-        n = min(len(c) for c in curves)
-        mean = np.array([c[:n] for c in curves], dtype=float).mean(0)
-        a = s[k]
-        style = "-" if PRECISION[a["variant"]] != "bf16" else "--"
-        ax.plot(range(n), mean, style, lw=1.0, label=labels[keys.index(k)].replace("\n", " "))
-    ax.set_yscale("log")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("KL(rollout policy ‖ fp32 current), exact")
-    ax.legend(fontsize=6, ncol=2)
+    # the parts per step of the TIS arms (moving average over SMOOTH steps, mean over seeds): staleness's grows
+    # with lr and k, quantization's stays where it starts
+    fig, axes = plt.subplots(1, 2, figsize=(10.0, 4.0), dpi=110, sharey=True)
+    shades = {}
+    for key in (k for k in keys if CORRECTION[s[k]["variant"]] == "tis"):
+        a = s[key]
+        style = "--" if PRECISION[a["variant"]] == "bf16" else "-"
+        color = shades.setdefault((a["lr"], a["staleness"]), f"C{len(shades)}")
+        label = labels[keys.index(key)].replace("\n", " ")
+        for ax, part in zip(axes, ("kl_staleness", "kl_quantization")):
+            curves = [[r[part] for r in train_rows(rows)] for rows, _ in arms[key]["seeds"].values()]
+            n = min(len(c) for c in curves)
+            mean = np.array([c[:n] for c in curves], dtype=float).mean(0)
+            if mean.max() > 0:
+                ax.plot(range(n), moving_average(list(mean), SMOOTH), style, color=color, lw=1.2, label=label)
+    for ax, title in zip(axes, ("staleness part", "quantization part")):
+        ax.set_yscale("log")
+        ax.set_xlabel("GRPO step")
+        ax.set_title(f"{title} (TIS arms; {SMOOTH}-step moving average, mean over seeds)", fontsize=8)
+    axes[0].set_ylabel("KL per response token (exact)")
+    axes[0].legend(fontsize=6)
+    axes[1].legend(fontsize=6)
     fig.tight_layout()
-    written.append(out_dir / "kl_total_per_step.png")
+    written.append(out_dir / "kl_parts_per_step.png")
     fig.savefig(written[1])
     plt.close(fig)
     return written
