@@ -52,10 +52,10 @@ def test_study_recipe_runs_seeds_in_parallel_and_reports_and_the_long_horizon_ad
 
 def test_study_async_recipe_runs_the_staleness_grid_and_reports(tmp_path):
     """`make study-async` at toy size (CI's smoke test of the staleness setting; the study itself is not run
-    here): a 2 x 2 grid (BF16 / W5A8 + TIS x staleness 0 / 1) for two seeds side by side, then the report;
-    a second call keeps every run."""
+    here): a 2 x 2 grid (BF16 / W5A8 + TIS x staleness 0 / 1) for two seeds side by side, then a third seed for
+    the arms at MORE_SEEDS_LRS, then the report; a second call keeps every run."""
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"), REPORT_DIR=str(tmp_path / "report"),
-               STEPS="3", SFT_STEPS="4", SEEDS="1 2")
+               STEPS="3", SFT_STEPS="4", SEEDS="1 2", MORE_SEEDS="3", MORE_SEEDS_LRS="1e-4")
     args = ["--lrs", "1e-4", "--staleness-grid", "0", "1", "--variants", "bf16_tis", "tis", "--also",
             "--n-val", "4", "--prompts-per-step", "2", "--group-size", "2", "--max-response-tokens", "8", "--n-train", "4"]
     script = str(REPO / "recipes/tiny_cpu/study_async/run.sh")
@@ -63,7 +63,7 @@ def test_study_async_recipe_runs_the_staleness_grid_and_reports(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "report" / "results.json").read_text())
     assert set(result["arms"]) == {f"lr0.0001/staleness{k}/{v}" for k in (0, 1) for v in ("bf16_tis", "tis")}
-    assert all(a["seeds"] == [1, 2] and a["steps"] == 3 for a in result["arms"].values())
+    assert all(a["seeds"] == [1, 2, 3] and a["steps"] == 3 for a in result["arms"].values())
     rows = [json.loads(line) for line in
             (tmp_path / "out/runs/lr0.0001/staleness1/tis/seed1/metrics.jsonl").read_text().splitlines()]
     assert [r["staleness"] for r in rows[:-1]] == [0, 1, 1]
@@ -74,3 +74,4 @@ def test_study_async_recipe_runs_the_staleness_grid_and_reports(tmp_path):
     again = subprocess.run(["bash", script, *args], env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0
     assert (tmp_path / "out" / "seed1.log").read_text().count("finished earlier, kept") == 4
+    assert (tmp_path / "out" / "seed3.log").read_text().count("finished earlier, kept") == 4
