@@ -24,11 +24,7 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 mkdir -p "$out"
 
 if [[ "${REPORT_ONLY:-0}" != 1 ]]; then
-  model="$out/sft_chain_$sft_steps"
-  if [[ ! -f "$model/qurl_tiny_sft.json" ]]; then
-    [[ -f "$out/base_model/config.json" ]] || "$py" -m qurl_recipes.tiny_model --out "$out/base_model" >/dev/null
-    "$py" -m qurl_recipes.tiny_sft --base "$out/base_model" --out "$model" --task chain_arithmetic --steps "$sft_steps"
-  fi
+  model="$(bash "$root/recipes/tiny_cpu/study/warm_start.sh" "$py" "$out" "$sft_steps")"
   # one process per seed, one thread each; if one fails or the script is interrupted, the others stop too
   trap 'jobs -p | xargs -r kill 2>/dev/null || true' EXIT
   run_seeds() {  # seeds, then arguments of qurl_recipes.study_async
