@@ -53,7 +53,7 @@ from qurl_recipes.study_rollout import (
     response_log_probs,
     sample,
 )
-from qurl_recipes.study_settings import VARIANTS, StudySettings, recorded_settings
+from qurl_recipes.study_settings import VARIANTS, StudySettings, add_settings_arguments, recorded_settings
 from qurl_recipes.uaq_vs_lr import clip_grad_norm_as_uaq_, group_normalised_advantages, per_group_lr_param_groups
 from qurl_verl.losses.acr import acr_token_loss
 from qurl_verl.platform.cpu_features import cpu_class, cpu_model_and_flags
@@ -323,8 +323,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("QURL_STUDY_THREADS", 1)))
     ap.add_argument("--checkpoint-every", type=int, default=50,
                     help="save OUT/<variant>/seed<k>/checkpoint.pt every N steps, resumed from if interrupted (0: never)")
-    for f, default in asdict(StudySettings()).items():
-        ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
+    add_settings_arguments(ap)
     a = vars(ap.parse_args(argv))
     model, out, variants, seeds = a.pop("model"), a.pop("out"), a.pop("variants"), a.pop("seeds")
     torch.set_num_threads(a.pop("threads"))

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from qurl_recipes import grpo_study
-from qurl_recipes.study_settings import VARIANTS, StudySettings
+from qurl_recipes.study_settings import VARIANTS, StudySettings, add_settings_arguments
 
 # precision x correction: the rollout format and the loss that corrects for the mismatch (TIS, Eq. 5; ACR, Eq. 9)
 GRID_VARIANTS = ("bf16_tis", "bf16_acr", "tis", "acr_no_uaq")
@@ -86,11 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="extra arms lr:staleness:variant beside the product (none: --also with no value)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("QURL_STUDY_THREADS", 1)))
     ap.add_argument("--checkpoint-every", type=int, default=50)
-    grid_owned = {"lr", "staleness"}  # set per arm
-    for f in fields(StudySettings):
-        if f.name not in grid_owned:
-            default = getattr(StudySettings(), f.name)
-            ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+    add_settings_arguments(ap, leave=("lr", "staleness"))  # those two are set per arm
     a = vars(ap.parse_args(argv))
     arms = grid(a.pop("variants"), a.pop("staleness_grid"), a.pop("lrs"), a.pop("also"))
     model, out, seed = a.pop("model"), a.pop("out"), a.pop("seed")

@@ -26,7 +26,7 @@ from qurl_recipes.study_statistics import (
     train_rows,
     variant_summary,
 )
-from qurl_recipes.study_tables import _cell, _cpu_name
+from qurl_recipes.study_tables import cell, cpu_name
 
 # the mismatch's parts (StudyRun.mismatch_parts), averaged over the steps at the arm's full staleness
 PARTS = ("kl_total", "kl_staleness", "kl_quantization")
@@ -211,7 +211,7 @@ def markdown(s: dict[str, dict], checks: list[dict], settings: dict, cpu: dict, 
         "",
         f"Weight bits {bits}, {settings['steps']} steps, {settings['prompts_per_step']} prompts × "
         f"{settings['group_size']} samples, {settings['mini_batches']} updates per rollout, C = {settings['is_cap']:g}. "
-        f"CPU: {_cpu_name(cpu)}. Values: mean ± standard error across seeds; the KL parts and the share of "
+        f"CPU: {cpu_name(cpu)}. Values: mean ± standard error across seeds; the KL parts and the share of "
         "tokens with w > C over the steps at the arm's full staleness. KL parts (exact over the vocabulary at the "
         "positions the rollout visited): staleness = KL(BF16 copy of the rollout's weights ‖ BF16 copy of the "
         "current ones), quantization = KL(rollout policy ‖ BF16 copy of its own weights), total = "
@@ -230,12 +230,12 @@ def markdown(s: dict[str, dict], checks: list[dict], settings: dict, cpu: dict, 
         rollout = "BF16" if PRECISION[a["variant"]] == "bf16" else f"W{bits}A8"
         lines.append(
             f"| {a['lr']:g} | {a['staleness']} | {rollout} | {CORRECTION[a['variant']].upper()} | {len(a['seeds'])} | "
-            f"{_cell(a['kl_total'], a['kl_total_se'], '.2e')} | {_cell(a['kl_staleness'], a['kl_staleness_se'], '.2e')} | "
-            f"{_cell(a['kl_quantization'], a['kl_quantization_se'], '.2e')} | {ratio} | "
-            f"{_cell(a['w_frac_above_c_stale'], a['w_frac_above_c_stale_se'], '.1e')} | {a['w_max']:.2f} | "
-            f"{_cell(a['reward_last'], a['reward_last_se'], '.3f')} | "
-            f"{_cell(a['train_acc_full_last'], a['train_acc_full_last_se'], '.3f')} | "
-            f"{_cell(a['val_acc_full_last'], a['val_acc_full_last_se'], '.3f')} | {a['step_s']:.2f} |")
+            f"{cell(a['kl_total'], a['kl_total_se'], '.2e')} | {cell(a['kl_staleness'], a['kl_staleness_se'], '.2e')} | "
+            f"{cell(a['kl_quantization'], a['kl_quantization_se'], '.2e')} | {ratio} | "
+            f"{cell(a['w_frac_above_c_stale'], a['w_frac_above_c_stale_se'], '.1e')} | {a['w_max']:.2f} | "
+            f"{cell(a['reward_last'], a['reward_last_se'], '.3f')} | "
+            f"{cell(a['train_acc_full_last'], a['train_acc_full_last_se'], '.3f')} | "
+            f"{cell(a['val_acc_full_last'], a['val_acc_full_last_se'], '.3f')} | {a['step_s']:.2f} |")
     lines += ["", "| claim | measure | verdict |", "|---|---|---|"]
     lines += [f"| {c['claim'].format(b=bits)} | {c['measure'].format(b=bits)} | {c['verdict']} |" for c in checks]
     return "\n".join(lines) + "\n"

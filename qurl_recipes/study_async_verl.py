@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from qurl_recipes.study_statistics import beyond_noise, difference, fmt_difference, mean_se, window
+from qurl_recipes.study_tables import cell
 
 STALENESS_MEAN = "training/off_policy/trajectory_staleness/mean"
 STALENESS_MAX = "training/off_policy/trajectory_staleness/max"
@@ -173,18 +174,12 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _pm(m: float, se: float, spec: str = ".2e") -> str:
-    if math.isnan(m):
-        return "—"
-    return f"{m:{spec}}" if math.isnan(se) else f"{m:{spec}} ± {se:{spec}}"
-
-
 def markdown(res: dict) -> str:
     s, presets = res["summary"], res["presets"]
     head = "| | " + " | ".join(f"`{p}`" for p in presets) + " |\n|---|" + "---|" * len(presets) + "\n"
 
     def row(label: str, key: str, spec: str = ".2e") -> str:
-        return f"| {label} | " + " | ".join(_pm(s[p][key], s[p][f"{key}_se"], spec) for p in presets) + " |\n"
+        return f"| {label} | " + " | ".join(cell(s[p][key], s[p][f"{key}_se"], spec, missing="—") for p in presets) + " |\n"
 
     n = res["steps"]
     text = (f"# verl `colocate_async`: staleness beside quantized rollout\n\n"

@@ -1,7 +1,8 @@
 """The GRPO study's variants (rollout format, loss, UAQ, learning rates, FP8 KV cache) and run settings."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 
 from qurl_verl.quant import int_format
 from qurl_verl.quant.uaq import DEFAULT_UAQ_SCALE
@@ -79,3 +80,13 @@ def recorded_settings(settings: dict) -> dict:
     """A run's recorded settings in today's terms: a setting it predates holds the value it ran under,
     so a finished run or a report of an earlier version still counts as the same settings."""
     return {**_ADDED_SINCE, **settings}
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, leave: tuple[str, ...] = ()) -> None:
+    """A ``--flag`` per ``StudySettings`` field (``--weight-bits`` for ``weight_bits``) with its default, but those
+    in ``leave``; ``StudySettings(**{f: vars(args)[f] ...})`` rebuilds the settings."""
+    defaults = StudySettings()
+    for f in fields(StudySettings):
+        if f.name not in leave:
+            default = getattr(defaults, f.name)
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
